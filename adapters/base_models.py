@@ -1,0 +1,33 @@
+"""Base model names → where their weights and tokenizer live, and what the server advertises about them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapters.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """A base model as the operator named it, and the location ``from_pretrained`` loads it from."""
+
+    name: str
+    """The name clients use (``base_model`` in create_model, ``model_name`` in capabilities)."""
+    location: str
+    """A local directory, or a Hugging Face repo id resolved from the local cache."""
+
+    @property
+    def tokenizer_id(self) -> str:
+        """What ``AutoTokenizer.from_pretrained`` should be given: the same location as the weights."""
+        return self.location
+
+
+def resolve_base_model(name: str, cache_root: Path | None = None) -> BaseModelSpec:
+    """Resolve an operator-given model name: the built-in tiny model, a local directory, or a Hugging Face id."""
+    if name == TINY_MODEL_NAME:
+        return BaseModelSpec(name=name, location=str(ensure_tiny_model(cache_root)))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return BaseModelSpec(name=name, location=str(path.resolve()))
+    return BaseModelSpec(name=name, location=name)

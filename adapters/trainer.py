@@ -1,0 +1,298 @@
+"""The multi-LoRA trainer: one copy of a base model's weights, any number of LoRA adapters trained on it.
+
+Each adapter (one per Tinker training client, keyed by ``model_id``) has its own LoRA weights, its own AdamW state
+and its own step count. Gradients accumulate across ``forward_backward`` calls until ``optim_step`` applies them.
+This class is plain Python so it can be tested in-process; ``adapters.trainer_pool`` runs it as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shims.errors import UserError
+from shims.losses import check_datum, datum_loss, resolve_config
+from shims.training_wire import DatumArrays
+
+LORA_ALPHA = 32
+"""Fixed LoRA alpha, independent of rank (scale alpha/rank), so a learning rate carries across ranks as in Tinker."""
+
+MAX_LORA_RANK = 256
+
+ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED_MODULES = ["lm_head"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+
+warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+warnings.filterwarnings("ignore", message=".*save_embedding_layers.*")
+warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a Tinker ``LoraConfig`` asks for, with the seed made concrete."""
+
+    rank: int
+    seed: int
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+    def target_modules(self) -> list[str]:
+        return ((ATTN_MODULES if self.train_attn else []) + (MLP_MODULES if self.train_mlp else [])
+                + (UNEMBED_MODULES if self.train_unembed else []))
+
+    def validate(self) -> None:
+        if not 1 <= self.rank <= MAX_LORA_RANK:
+            raise UserError(f"LoRA rank must be between 1 and {MAX_LORA_RANK}, got {self.rank}")
+        if not self.target_modules():
+            raise UserError("at least one of train_mlp, train_attn, train_unembed must be true")
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Tinker's ``AdamParams``; they may change on every optim_step."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def validate(self) -> None:
+        for name, value in asdict(self).items():
+            if not math.isfinite(value) or value < 0:
+                raise UserError(f"adam_params.{name} must be a finite number ≥ 0, got {value}")
+        if self.beta1 >= 1 or self.beta2 >= 1:
+            raise UserError(f"adam_params beta1 and beta2 must be < 1, got {self.beta1}, {self.beta2}")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the server needs to know about a loaded base model to validate requests and answer get_info."""
+
+    vocab_size: int
+    max_context: int
+    arch: str
+    device: str
+
+
+@dataclass
+class StepResult:
+    """The outcome of one forward / forward_backward call."""
+
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+    num_tokens: int
+    seconds: float
+
+
+@dataclass
+class _Adapter:
+    name: str
+    spec: LoraSpec
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    step: int = 0
+
+
+class MultiLoRATrainer:
+    """Holds one base model and the LoRA adapters of every training run on it."""
+
+    def __init__(self, location: str, threads: int | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.location = location
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        config = AutoConfig.from_pretrained(location)
+        self.base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device)
+        self.base.requires_grad_(False)
+        self.facts = ModelFacts(
+            vocab_size=int(config.vocab_size), max_context=int(getattr(config, "max_position_embeddings", 2048)),
+            arch=str((config.architectures or [config.model_type])[0]), device=str(self.device),
+        )
+        self.peft = None
+        self.adapters: dict[str, _Adapter] = {}
+        self._counter = 0
+
+    # ---- adapters -------------------------------------------------------------------------------------------------
+    def model_facts(self) -> ModelFacts:
+        return self.facts
+
+    def create(self, model_id: str, spec: LoraSpec) -> None:
+        """Add a freshly initialised adapter (LoRA B = 0, so it starts equal to the base model)."""
+        from peft import LoraConfig, get_peft_model
+
+        spec.validate()
+        if model_id in self.adapters:
+            raise UserError(f"model {model_id} already exists")
+        self._counter += 1
+        name = f"adapter_{self._counter}"
+        config = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none",
+                            target_modules=spec.target_modules(), base_model_name_or_path=self.location)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        optimizer = torch.optim.AdamW(params, lr=AdamHyper.learning_rate, foreach=False)
+        self.adapters[model_id] = _Adapter(name=name, spec=spec, params=params, optimizer=optimizer)
+
+    def unload(self, model_id: str) -> None:
+        """Drop an adapter and its optimizer state; the base model stays loaded for the others."""
+        adapter = self._get(model_id)
+        self.peft.delete_adapter(adapter.name)
+        del self.adapters[model_id]
+
+    def has(self, model_id: str) -> bool:
+        return model_id in self.adapters
+
+    def _get(self, model_id: str) -> _Adapter:
+        adapter = self.adapters.get(model_id)
+        if adapter is None:
+            raise UserError(f"model {model_id} is not loaded on the trainer")
+        return adapter
+
+    def _activate(self, adapter: _Adapter) -> None:
+        self.peft.base_model.set_adapter(adapter.name)
+        for p in adapter.params:  # set_adapter toggles requires_grad; keep ours trainable
+            p.requires_grad_(True)
+
+    # ---- training -------------------------------------------------------------------------------------------------
+    def forward_backward(self, model_id: str, data: list[DatumArrays], loss_fn: str,
+                         loss_fn_config: dict[str, float | str], forward_only: bool) -> StepResult:
+        """Run the loss on every datum; unless ``forward_only``, add its gradient to the adapter's accumulated one."""
+        started = time.perf_counter()
+        adapter = self._get(model_id)
+        config = resolve_config(loss_fn, loss_fn_config)
+        for i, d in enumerate(data):
+            check_datum(loss_fn, i, d.tokens, d.loss_fn_inputs, vocab_size=self.facts.vocab_size,
+                        max_context=self.facts.max_context)
+        self._activate(adapter)
+        self.peft.train()
+        with torch.set_grad_enabled(not forward_only):
+            hidden = self._hidden_states(data)
+            lm_head = self.peft.base_model.model.get_output_embeddings()
+            total = torch.zeros((), device=self.device)
+            outputs = []
+            for i, d in enumerate(data):
+                n = d.tokens.size
+                targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
+                # One datum's logits at a time: the full-vocabulary logits of the whole batch never exist at once.
+                logprobs = torch.log_softmax(lm_head(hidden[i, :n]).float(), dim=-1)
+                flat = targets.reshape(n, -1)
+                target_logprobs = logprobs.gather(1, flat).reshape(targets.shape)
+                inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
+                total = total + datum_loss(loss_fn, target_logprobs, inputs, config)
+                outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
+            if not forward_only:
+                total.backward()
+        loss = float(total.detach())
+        if not math.isfinite(loss):
+            raise UserError(f"the loss is not finite ({loss}); check the loss inputs")
+        num_tokens = int(sum(d.tokens.size for d in data))
+        return StepResult(outputs=outputs, metrics={"loss:sum": loss}, num_tokens=num_tokens,
+                          seconds=time.perf_counter() - started)
+
+    def _hidden_states(self, data: list[DatumArrays]) -> torch.Tensor:
+        """Final hidden states of a right-padded batch; padded positions are masked out and never read."""
+        longest = max(d.tokens.size for d in data)
+        ids = torch.zeros((len(data), longest), dtype=torch.long)
+        mask = torch.zeros((len(data), longest), dtype=torch.long)
+        for i, d in enumerate(data):
+            ids[i, : d.tokens.size] = torch.tensor(d.tokens)
+            mask[i, : d.tokens.size] = 1
+        decoder = self.peft.base_model.model.get_decoder()
+        return decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+
+    def optim_step(self, model_id: str, hyper: AdamHyper) -> dict[str, float]:
+        """Apply the accumulated gradient with AdamW (decoupled weight decay), then clear it."""
+        hyper.validate()
+        adapter = self._get(model_id)
+        grads = [p for p in adapter.params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in grads])) if grads else 0.0
+        if hyper.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, hyper.grad_clip_norm, torch.tensor(grad_norm))
+        for group in adapter.optimizer.param_groups:
+            group.update(lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+                         weight_decay=hyper.weight_decay)
+        adapter.optimizer.step()
+        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.step += 1
+        return {"grad_norm": grad_norm, "learning_rate": hyper.learning_rate, "step": float(adapter.step)}
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def save_for_sampler(self, model_id: str, directory: str) -> None:
+        """Write the adapter as a standard PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        adapter = self._get(model_id)
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.peft, adapter_name=adapter.name, save_embedding_layers=False)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
+        self.peft.peft_config[adapter.name].save_pretrained(str(out))
+
+    def save_state(self, model_id: str, directory: str) -> None:
+        """Write the adapter, its optimizer state and step, so training can resume exactly."""
+        adapter = self._get(model_id)
+        self.save_for_sampler(model_id, directory)
+        torch.save(adapter.optimizer.state_dict(), Path(directory) / OPTIMIZER_STATE)
+        (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step, "lora": asdict(adapter.spec)}))
+
+    def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
+        """Replace (or create) ``model_id``'s adapter with the checkpoint's weights, and optionally its optimizer.
+
+        Without the optimizer the adapter gets fresh AdamW moments, as Tinker's ``load_state`` does.
+        """
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        spec = read_lora_spec(src)
+        if with_optimizer and not (src / OPTIMIZER_STATE).exists():
+            raise UserError("this checkpoint has no optimizer state (sampler weights); load it without the optimizer")
+        if model_id in self.adapters:
+            self.unload(model_id)
+        self.create(model_id, spec)
+        adapter = self.adapters[model_id]
+        result = set_peft_model_state_dict(self.peft, load_file(str(src / ADAPTER_WEIGHTS)), adapter_name=adapter.name)
+        missing = [k for k in result.missing_keys if f".{adapter.name}." in k]
+        if missing:
+            self.unload(model_id)
+            raise UserError(f"checkpoint is missing {len(missing)} adapter tensors, e.g. {missing[0]}")
+        if with_optimizer:
+            adapter.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.device))
+            adapter.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
+        return spec
+
+
+def read_lora_spec(directory: Path) -> LoraSpec:
+    """The LoRA layout of a saved adapter: from our trainer state if present, else from its PEFT config."""
+    state_file = directory / TRAINER_STATE
+    if state_file.exists():
+        return LoraSpec(**json.loads(state_file.read_text())["lora"])
+    config = json.loads((directory / "adapter_config.json").read_text())
+    modules = set(config["target_modules"])
+    return LoraSpec(rank=int(config["r"]), seed=0, train_attn=bool(modules & set(ATTN_MODULES)),
+                    train_mlp=bool(modules & set(MLP_MODULES)), train_unembed=bool(modules & set(UNEMBED_MODULES)))

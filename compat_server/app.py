@@ -1,0 +1,69 @@
+"""Builds the Litestar app and owns the lifetime of Ray, the pools and the records."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from litestar import Litestar, Request, Response
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+
+from compat_server.auth import provide_owner
+from compat_server.config import ServerConfig
+from compat_server.services import Services, start_services
+from compat_server.tinker import ROUTES as TINKER_ROUTES
+from shims.errors import UserError
+
+log = logging.getLogger("compat_server")
+
+
+def _error(status: int, message: str, category: str = "user") -> Response:
+    return Response({"error": message, "category": category, "detail": message}, status_code=status)
+
+
+def _user_error(_: Request, exc: UserError) -> Response:
+    return _error(400, str(exc))
+
+
+def _validation_error(_: Request, exc: ValidationException) -> Response:
+    problems = "; ".join(f"{e.get('key', '?')}: {e.get('message', '')}" for e in (exc.extra or []) if isinstance(e, dict))
+    return _error(400, f"{exc.detail}{': ' + problems if problems else ''}")
+
+
+def _http_error(_: Request, exc: HTTPException) -> Response:
+    return _error(exc.status_code, exc.detail, "user" if exc.status_code < 500 else "server")
+
+
+def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error(500, f"internal server error: {type(exc).__name__}: {exc}", "server")
+
+
+def create_app(config: ServerConfig) -> Litestar:
+    async def startup(app: Litestar) -> None:
+        app.state.services = await start_services(config)
+
+    async def shutdown(app: Litestar) -> None:
+        services: Services | None = getattr(app.state, "services", None)
+        if services is not None:
+            services.trainers.stop()
+        if ray.is_initialized() and not os.environ.get("COMPAT_SERVER_KEEP_RAY"):
+            ray.shutdown()
+
+    def provide_services(request: Request) -> Services:
+        return request.app.state.services
+
+    return Litestar(
+        route_handlers=TINKER_ROUTES,
+        on_startup=[startup],
+        on_shutdown=[shutdown],
+        dependencies={"services": Provide(provide_services, sync_to_thread=False), "owner": Provide(provide_owner)},
+        exception_handlers={
+            UserError: _user_error, ValidationException: _validation_error, HTTPException: _http_error,
+            Exception: _server_error,
+        },
+        request_max_body_size=config.max_body_mb * 1024 * 1024,
+        debug=False,
+    )

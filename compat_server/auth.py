@@ -1,0 +1,37 @@
+"""API keys → tenant identity.
+
+Tinker clients send ``X-API-Key: tml-…``; OpenAI clients send ``Authorization: Bearer …``. A tenant is identified
+by a hash of its key, which is all the records ever hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from litestar.connection import ASGIConnection
+from litestar.exceptions import NotAuthorizedException
+
+KEY_PREFIX = "tml-"
+
+
+def owner_of(key: str) -> str:
+    """The tenant identity stored with every record: a SHA-256 of the key, never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def api_key(connection: ASGIConnection) -> str:
+    """The caller's key from ``X-API-Key`` or ``Authorization: Bearer``; 401 when absent or malformed."""
+    key = connection.headers.get("x-api-key")
+    if not key:
+        auth = connection.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if not key:
+        raise NotAuthorizedException("missing API key: send X-API-Key (tinker) or Authorization: Bearer (OpenAI)")
+    if not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + 1:
+        raise NotAuthorizedException(f"invalid API key: keys start with {KEY_PREFIX!r}")
+    return key
+
+
+async def provide_owner(request: ASGIConnection) -> str:
+    """Litestar dependency: the calling tenant's identity (open mode: any well-formed key is its own tenant)."""
+    return owner_of(api_key(request))

@@ -1,0 +1,89 @@
+"""tinker:// paths ↔ directories on disk, with atomic publication of checkpoint directories.
+
+A checkpoint is written into a hidden staging directory beside its final place, every file is fsynced, and only then
+is the directory renamed into place and recorded — so a checkpoint half-written at a crash is never listed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from tinker.types import ParsedCheckpointTinkerPath
+
+from shims.errors import UserError
+
+KIND_DIRS = {"training": "weights", "sampler": "sampler_weights"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(name: str) -> str:
+    """Checkpoint names become directory names: letters, digits, ``._-``; no separators, no ``..``."""
+    if not _NAME.match(name) or ".." in name:
+        raise UserError(f"invalid checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+                        "starting with a letter or digit")
+    return name
+
+
+def tinker_path(training_run_id: str, kind: str, name: str) -> str:
+    return f"tinker://{training_run_id}/{KIND_DIRS[kind]}/{check_name(name)}"
+
+
+def parse_path(path: str) -> ParsedCheckpointTinkerPath:
+    """Parse with the SDK's own parser; a malformed path or name is a user error."""
+    try:
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+    except ValueError as exc:
+        raise UserError(f"{exc}; expected tinker://<training_run_id>/weights/<name> or .../sampler_weights/<name>") \
+            from None
+    if parsed.checkpoint_type not in KIND_DIRS or not parsed.training_run_id or "/" in parsed.training_run_id \
+            or parsed.training_run_id.startswith("."):
+        raise UserError(f"unsupported tinker path {path!r}")
+    check_name(parsed.checkpoint_id.split("/", 1)[1])
+    return parsed
+
+
+class CheckpointStore:
+    """Maps tinker paths onto ``root`` and publishes checkpoint directories atomically."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def directory(self, path: str) -> Path:
+        parsed = parse_path(path)
+        return self.root / parsed.training_run_id / parsed.checkpoint_id
+
+    def staging(self, path: str) -> Path:
+        """A fresh hidden directory on the same filesystem as the final one, for the writer to fill."""
+        final = self.directory(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return final.parent / f".staging-{final.name}-{uuid.uuid4().hex[:8]}"
+
+    def publish(self, staging: Path, path: str, overwrite: bool) -> int:
+        """fsync the staged files, rename the directory into place, and return its size in bytes."""
+        final = self.directory(path)
+        size = 0
+        for file in staging.rglob("*"):
+            if file.is_file():
+                size += file.stat().st_size
+                with open(file, "rb") as handle:
+                    os.fsync(handle.fileno())
+        if final.exists():
+            if not overwrite:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise UserError(f"checkpoint {path} already exists; pass overwrite=True or choose another name")
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        dir_fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return size
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""The ``compat-server`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from adapters.tiny_model import TINY_MODEL_NAME
+from compat_server.config import ServerConfig, default_data_dir
+
+log = logging.getLogger("compat_server")
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = ServerConfig()
+    parser.add_argument("--host", default=d.host,
+                        help="address to listen on (default: %(default)s; only this machine can connect)")
+    parser.add_argument("--port", type=int, default=d.port, help="TCP port to listen on (default: %(default)s)")
+    parser.add_argument("--base-model", action="append", dest="base_models", metavar="NAME",
+                        help="a base model to serve; repeat for several. A Hugging Face id found in the local cache, "
+                             f"a local directory, or the built-in {TINY_MODEL_NAME} (the default)")
+    parser.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                        help="where records (SQLite) and checkpoints are kept (default: %(default)s)")
+    parser.add_argument("--ray-address", default=None,
+                        help="join an existing Ray cluster at this address (e.g. 10.0.0.5:6379); "
+                             "default: start a private local Ray instance")
+    parser.add_argument("--ray-num-cpus", type=int, default=None,
+                        help="CPUs the local Ray instance may use (default: all of this machine's)")
+    parser.add_argument("--ray-object-store-mb", type=int, default=d.ray_object_store_mb,
+                        help="object store size of the local Ray instance in MiB (default: %(default)s)")
+    parser.add_argument("--trainer-cpus", type=float, default=d.trainer_cpus,
+                        help="Ray CPUs reserved by each trainer actor (default: %(default)s)")
+    parser.add_argument("--trainer-gpus", type=float, default=None,
+                        help="Ray GPUs reserved by each trainer actor (default: 1 if the cluster has a GPU, else 0)")
+    parser.add_argument("--trainer-threads", type=int, default=None,
+                        help="torch threads in each trainer on CPU (default: torch's choice)")
+    parser.add_argument("--poll-hold-seconds", type=float, default=d.poll_hold_seconds,
+                        help="how long retrieve_future waits for a result before answering try_again "
+                             "(default: %(default)s)")
+    parser.add_argument("--seq-gap-timeout", type=float, default=d.seq_gap_timeout,
+                        help="seconds a model's queue waits for a missing seq_id before moving on "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-body-mb", type=int, default=d.max_body_mb,
+                        help="largest request body accepted, in MiB (default: %(default)s)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--log-level", default=d.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log verbosity (default: %(default)s)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    serve_help = _serve_parser(argparse.ArgumentParser(prog="compat-server serve", add_help=False)).format_help()
+    parser = argparse.ArgumentParser(
+        prog="compat-server",
+        description="Self-hosted, drop-in server for the Tinker fine-tuning API. Point the tinker SDK at it with "
+                    "TINKER_BASE_URL=http://HOST:PORT and any TINKER_API_KEY starting with 'tml-'.",
+        epilog="Options of 'compat-server serve':\n" + serve_help[serve_help.index("options:") + 9:],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(commands.add_parser("serve", help="start the server (see options below)"))
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, base_models=args.base_models or [TINY_MODEL_NAME],
+        data_dir=args.data_dir.expanduser().resolve(), ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
+        ray_object_store_mb=args.ray_object_store_mb, trainer_cpus=args.trainer_cpus, trainer_gpus=args.trainer_gpus,
+        trainer_threads=args.trainer_threads, poll_hold_seconds=args.poll_hold_seconds,
+        seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
+        log_level=args.log_level,
+    )
+
+
+def serve(config: ServerConfig) -> None:
+    import uvicorn
+
+    from compat_server.app import create_app
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
+        access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5,
+    ))
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            log.info("compat-server ready at http://%s:%d — base models: %s — data: %s", host, config.port,
+                     ", ".join(config.base_models), config.data_dir)
+        await task
+
+    asyncio.run(run())
+    if not server.started:
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        sys.exit(0 if args.command is None and argv == [] else 2)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    # Quiet third-party progress bars in the server and in the Ray workers it starts (they inherit the environment).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    serve(config_from_args(args))
+
+
+if __name__ == "__main__":
+    main()

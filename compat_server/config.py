@@ -1,0 +1,41 @@
+"""Server options: one dataclass that the CLI fills and every component reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapters.tiny_model import TINY_MODEL_NAME
+
+
+def default_data_dir() -> Path:
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("compat-server"))
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    base_models: list[str] = field(default_factory=lambda: [TINY_MODEL_NAME])
+    data_dir: Path = field(default_factory=default_data_dir)
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    ray_object_store_mb: int = 256
+    trainer_cpus: float = 1.0
+    trainer_gpus: float | None = None
+    trainer_threads: int | None = None
+    poll_hold_seconds: float = 5.0
+    seq_gap_timeout: float = 120.0
+    max_body_mb: int = 64
+    access_log: bool = False
+    log_level: str = "INFO"
+
+    @property
+    def records_path(self) -> Path:
+        return self.data_dir / "records.sqlite3"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.data_dir / "checkpoints"

@@ -1,0 +1,148 @@
+"""Everything the server remembers, in one SQLite file (sqlite-utils, WAL). The only module that touches SQLite.
+
+Every record carries ``owner``: a hash of the API key that created it (never the key), so tenants can be kept apart.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+from sqlite_utils.db import NotFoundError
+
+SCHEMA_VERSION = 1
+
+
+def now() -> str:
+    """Timestamps are ISO-8601 UTC strings: sortable, readable in the database, and what the SDK's types parse."""
+    return datetime.now(timezone.utc).isoformat()
+
+
+class Records:
+    """Typed accessors over the tables; callers never write SQL."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite_utils.Database(path)
+        self.db.enable_wal()
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self._create_schema()
+
+    def _create_schema(self) -> None:
+        db = self.db
+        db["schema_version"].create({"version": int, "applied": str}, pk="version", if_not_exists=True)
+        if not db["schema_version"].count:
+            db["schema_version"].insert({"version": SCHEMA_VERSION, "applied": now()})
+        db["sessions"].create({
+            "id": str, "owner": str, "created": str, "last_heartbeat": str, "tags": str, "user_metadata": str,
+            "sdk_version": str, "project_id": str, "finished": str, "finish_reason": str,
+        }, pk="id", if_not_exists=True)
+        db["models"].create({
+            "id": str, "session_id": str, "owner": str, "base_model": str, "is_lora": int, "lora_rank": int,
+            "lora_config": str, "status": str, "created": str, "last_request": str, "user_metadata": str,
+        }, pk="id", if_not_exists=True)
+        db["futures"].create({
+            "request_id": str, "owner": str, "model_id": str, "seq_id": int, "kind": str, "state": str,
+            "created": str, "finished": str, "media_type": str, "result": bytes, "error": str, "category": str,
+            "idempotency_key": str,
+        }, pk="request_id", if_not_exists=True)
+        db["checkpoints"].create({
+            "tinker_path": str, "training_run_id": str, "checkpoint_id": str, "kind": str, "owner": str,
+            "base_model": str, "size_bytes": int, "created": str, "expires_at": str, "public": int,
+            "user_metadata": str,
+        }, pk="tinker_path", if_not_exists=True)
+        db["telemetry"].create({"id": int, "owner": str, "session_id": str, "events": int, "received": str},
+                               pk="id", if_not_exists=True)
+        db["futures"].create_index(["owner", "idempotency_key"], if_not_exists=True)
+        db["models"].create_index(["owner"], if_not_exists=True)
+        db["checkpoints"].create_index(["training_run_id"], if_not_exists=True)
+
+    # ---- sessions -------------------------------------------------------------------------------------------------
+    def create_session(self, session_id: str, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
+                       sdk_version: str | None, project_id: str | None) -> None:
+        stamp = now()
+        self.db["sessions"].insert({
+            "id": session_id, "owner": owner, "created": stamp, "last_heartbeat": stamp, "tags": json.dumps(tags),
+            "user_metadata": json.dumps(user_metadata), "sdk_version": sdk_version, "project_id": project_id,
+        })
+
+    def session(self, session_id: str, owner: str) -> dict | None:
+        return self._owned("sessions", session_id, owner)
+
+    def heartbeat(self, session_id: str) -> None:
+        self.db["sessions"].update(session_id, {"last_heartbeat": now()})
+
+    def finish_session(self, session_id: str, reason: str) -> None:
+        self.db["sessions"].update(session_id, {"finished": now(), "finish_reason": reason})
+
+    def count_telemetry(self, owner: str, session_id: str | None, events: int) -> None:
+        self.db["telemetry"].insert({"owner": owner, "session_id": session_id, "events": events, "received": now()})
+
+    # ---- models (training runs) -----------------------------------------------------------------------------------
+    def create_model(self, model_id: str, *, session_id: str, owner: str, base_model: str, lora: dict[str, Any],
+                     user_metadata: dict[str, Any] | None) -> None:
+        stamp = now()
+        self.db["models"].insert({
+            "id": model_id, "session_id": session_id, "owner": owner, "base_model": base_model, "is_lora": 1,
+            "lora_rank": lora["rank"], "lora_config": json.dumps(lora), "status": "active", "created": stamp,
+            "last_request": stamp, "user_metadata": json.dumps(user_metadata or {}),
+        }, replace=True)
+
+    def model(self, model_id: str, owner: str) -> dict | None:
+        return self._owned("models", model_id, owner)
+
+    def set_model_status(self, model_id: str, status: str) -> None:
+        self.db["models"].update(model_id, {"status": status, "last_request": now()})
+
+    # ---- futures --------------------------------------------------------------------------------------------------
+    def create_future(self, request_id: str, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
+                      idempotency_key: str | None) -> None:
+        self.db["futures"].insert({
+            "request_id": request_id, "owner": owner, "model_id": model_id, "seq_id": seq_id, "kind": kind,
+            "state": "pending", "created": now(), "idempotency_key": idempotency_key,
+        })
+
+    def future_by_idempotency_key(self, owner: str, key: str) -> dict | None:
+        rows = list(self.db["futures"].rows_where("owner = ? and idempotency_key = ?", [owner, key], limit=1))
+        return rows[0] if rows else None
+
+    def finish_future(self, request_id: str, *, media_type: str, result: bytes) -> None:
+        self.db["futures"].update(request_id, {"state": "complete", "finished": now(), "media_type": media_type,
+                                               "result": result})
+
+    def fail_future(self, request_id: str, *, error: str, category: str) -> None:
+        self.db["futures"].update(request_id, {"state": "failed", "finished": now(), "error": error,
+                                               "category": category})
+
+    def future(self, request_id: str, owner: str) -> dict | None:
+        return self._owned("futures", request_id, owner)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def add_checkpoint(self, tinker_path: str, *, training_run_id: str, checkpoint_id: str, kind: str, owner: str,
+                       base_model: str, size_bytes: int, expires_at: str | None,
+                       user_metadata: dict[str, str] | None) -> None:
+        self.db["checkpoints"].insert({
+            "tinker_path": tinker_path, "training_run_id": training_run_id, "checkpoint_id": checkpoint_id,
+            "kind": kind, "owner": owner, "base_model": base_model, "size_bytes": size_bytes, "created": now(),
+            "expires_at": expires_at, "public": 0, "user_metadata": json.dumps(user_metadata or {}),
+        }, replace=True)
+
+    def checkpoint(self, tinker_path: str, owner: str) -> dict | None:
+        """A checkpoint the owner may read: its own, or one another tenant published."""
+        try:
+            row = self.db["checkpoints"].get(tinker_path)
+        except NotFoundError:
+            return None
+        return row if row["owner"] == owner or row["public"] else None
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+    def _owned(self, table: str, pk: str, owner: str) -> dict | None:
+        """A row by primary key, only if ``owner`` owns it: another tenant's rows look exactly like missing ones."""
+        try:
+            row = self.db[table].get(pk)
+        except NotFoundError:
+            return None
+        return row if row["owner"] == owner else None

@@ -1,0 +1,110 @@
+"""Runs the work behind futures: per model strictly in ``seq_id`` order, across models concurrently.
+
+The tinker SDK numbers each training client's requests 1, 2, 3, … and may deliver them out of order (a multi-chunk
+forward_backward sends its first chunk last). A model's lane holds later requests until the next expected one has
+arrived. If a number never arrives (a client died mid-submit), the lane moves on after ``gap_timeout`` seconds
+rather than stalling that model forever. This is also the one place that talks to the compute pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from adapters.trainer_pool import TrainerPool
+from compat_server.futures import FutureHub, Payload
+from shims.errors import UserError
+
+log = logging.getLogger("compat_server.scheduler")
+
+Job = Callable[[], Awaitable[Payload]]
+
+
+@dataclass
+class _Lane:
+    next_seq: int = 1
+    waiting: dict[int, tuple[str, Job]] = field(default_factory=dict)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: asyncio.Task | None = None
+
+
+class Scheduler:
+    """Orders and runs jobs, and records each job's outcome in its future."""
+
+    def __init__(self, hub: FutureHub, trainers: TrainerPool, gap_timeout: float) -> None:
+        self.hub = hub
+        self.trainers = trainers
+        self.gap_timeout = gap_timeout
+        self._lanes: dict[str, _Lane] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def submit(self, *, owner: str, kind: str, job: Job, model_id: str | None = None, seq_id: int | None = None,
+               idempotency_key: str | None = None) -> str:
+        """Create the future and queue its job; returns the request id at once.
+
+        Jobs with a ``seq_id`` run in that model's order; jobs without one (model creation) run immediately.
+        A resubmission with the same idempotency key returns the first request's id and runs nothing.
+        """
+        request_id, created = self.hub.create(owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
+                                              idempotency_key=idempotency_key)
+        if not created:
+            return request_id
+        if model_id is None or seq_id is None:
+            self._spawn(self._run(request_id, kind, job))
+            return request_id
+        lane = self._lanes.setdefault(model_id, _Lane())
+        lane.waiting[seq_id] = (request_id, job)
+        lane.arrived.set()
+        if lane.runner is None or lane.runner.done():
+            lane.runner = self._spawn(self._drain(model_id, lane))
+        return request_id
+
+    def fail_now(self, *, owner: str, kind: str, message: str, idempotency_key: str | None = None) -> str:
+        """A future that is already failed with a user error (for requests rejected before any work)."""
+        request_id, created = self.hub.create(owner=owner, model_id=None, seq_id=None, kind=kind,
+                                              idempotency_key=idempotency_key)
+        if created:
+            self.hub.fail(request_id, message, "user")
+        return request_id
+
+    async def _drain(self, model_id: str, lane: _Lane) -> None:
+        while lane.waiting:
+            if lane.next_seq in lane.waiting:
+                seq = lane.next_seq
+            elif min(lane.waiting) < lane.next_seq:
+                seq = min(lane.waiting)  # a late duplicate of a slot already passed: run it as it comes
+            else:
+                lane.arrived.clear()
+                try:
+                    await asyncio.wait_for(lane.arrived.wait(), timeout=self.gap_timeout)
+                    continue
+                except asyncio.TimeoutError:
+                    seq = min(lane.waiting)
+                    log.warning("model %s: seq_id %d never arrived after %.0fs; continuing at %d", model_id,
+                                lane.next_seq, self.gap_timeout, seq)
+            request_id, job = lane.waiting.pop(seq)
+            lane.next_seq = max(lane.next_seq, seq + 1)
+            await self._run(request_id, f"seq {seq}", job)
+
+    async def _run(self, request_id: str, what: str, job: Job) -> None:
+        try:
+            payload = await job()
+        except UserError as exc:
+            self.hub.fail(request_id, str(exc), "user")
+        except Exception as exc:  # noqa: BLE001 - anything else is the server's fault, reported as such
+            log.exception("request %s (%s) failed", request_id, what)
+            self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
+        else:
+            self.hub.complete(request_id, payload)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def trainer(self, base_model: str, method: str, *args, **kwargs):
+        """Call the base model's trainer actor."""
+        return await self.trainers.call(base_model, method, *args, **kwargs)

@@ -1,0 +1,88 @@
+"""Client bootstrap and session routes: config, sessions, heartbeats, telemetry, health and capabilities."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Annotated, Any
+
+from litestar import get, post
+from litestar.params import Body
+from tinker import types
+
+from compat_server.services import Services
+from shims.errors import UserError
+
+log = logging.getLogger("compat_server.sessions")
+API = "/api/v1"
+
+
+@post(f"{API}/client/config", status_code=200)
+async def client_config(owner: str) -> types.ClientConfigResponse:
+    """Feature flags for the SDK: plain API-key auth, uncompressed protobuf bodies, per-request futures."""
+    return types.ClientConfigResponse(pjwt_auth_enabled=False, proto_compress_fwdbwd=False)
+
+
+@post(f"{API}/client/dynamic_config", status_code=200)
+async def client_dynamic_config(owner: str) -> types.ClientDynamicConfigResponse:
+    return types.ClientDynamicConfigResponse()
+
+
+@post(f"{API}/create_session", status_code=200)
+async def create_session(owner: str, services: Services,
+                         data: Annotated[types.CreateSessionRequest, Body()]) -> types.CreateSessionResponse:
+    session_id = str(uuid.uuid4())
+    services.records.create_session(session_id, owner, tags=data.tags, user_metadata=data.user_metadata or {},
+                                    sdk_version=data.sdk_version, project_id=data.project_id)
+    log.info("session created: %s (sdk %s)", session_id, data.sdk_version)
+    return types.CreateSessionResponse(session_id=session_id)
+
+
+@post(f"{API}/session_heartbeat", status_code=200)
+async def session_heartbeat(owner: str, services: Services,
+                            data: Annotated[types.SessionHeartbeatRequest, Body()]) -> types.SessionHeartbeatResponse:
+    if services.records.session(data.session_id, owner) is None:
+        raise UserError(f"unknown session_id {data.session_id!r}")
+    services.records.heartbeat(data.session_id)
+    return types.SessionHeartbeatResponse(type="session_heartbeat")
+
+
+@post(f"{API}/sessions/{{session_id:str}}/finish", status_code=200)
+async def finish_session(session_id: str, owner: str, services: Services,
+                         data: Annotated[dict[str, Any], Body()]) -> dict:
+    """Closing a session records why (success / errored / interrupted); the first reason given wins."""
+    row = services.records.session(session_id, owner)
+    if row is None:
+        raise UserError(f"unknown session_id {session_id!r}")
+    reason = data.get("reason")
+    reason_type = reason.get("type") if isinstance(reason, dict) else None
+    if not row["finished"]:
+        services.records.finish_session(session_id, str(reason_type or "unknown"))
+        log.info("session finished: %s (%s)", session_id, reason_type or "unknown")
+    return {}
+
+
+@post(f"{API}/telemetry", status_code=200)
+async def telemetry(owner: str, services: Services,
+                    data: Annotated[types.TelemetrySendRequest, Body()]) -> types.TelemetryResponse:
+    """SDK telemetry is accepted and counted, not stored: it holds nothing the operator needs."""
+    services.records.count_telemetry(owner, data.session_id, len(data.events))
+    return types.TelemetryResponse(status="accepted")
+
+
+@get(f"{API}/healthz")
+async def healthz() -> types.HealthResponse:
+    return types.HealthResponse(status="ok")
+
+
+@get(f"{API}/get_server_capabilities")
+async def get_server_capabilities(owner: str, services: Services) -> types.GetServerCapabilitiesResponse:
+    return types.GetServerCapabilitiesResponse(supported_models=[
+        types.SupportedModel(model_name=name, max_context_length=services.trainers.facts[name].max_context,
+                             trainable=True, sampleable=False)
+        for name in services.base_models
+    ])
+
+
+SERVICE_ROUTES = [client_config, client_dynamic_config, create_session, session_heartbeat, finish_session,
+                  telemetry, healthz, get_server_capabilities]

@@ -1,0 +1,81 @@
+"""Training routes: create, inspect, train, save, load and unload LoRA models. Each answers a future at once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import zstandard
+from litestar import Request, post
+from litestar.params import Body
+from tinker import types
+
+from compat_server.services import Services
+from shims.errors import UserError
+from shims.training_wire import decode_forward_backward
+
+API = "/api/v1"
+
+
+def _idempotency_key(request: Request) -> str | None:
+    """The SDK reuses one ``X-Idempotency-Key`` across retries of a submit; a retry must not run twice."""
+    return request.headers.get("x-idempotency-key")
+
+
+@post(f"{API}/create_model", status_code=200)
+async def create_model(request: Request, owner: str, services: Services,
+                       data: Annotated[types.CreateModelRequest, Body()]) -> dict:
+    return services.training.create_model(owner, data, _idempotency_key(request))
+
+
+@post(f"{API}/get_info", status_code=200)
+async def get_info(owner: str, services: Services,
+                   data: Annotated[types.GetInfoRequest, Body()]) -> types.GetInfoResponse:
+    return services.training.get_info(owner, data.model_id)
+
+
+@post(f"{API}/forward_backward", status_code=200)
+async def forward_backward(request: Request, owner: str, services: Services) -> dict:
+    """The body is a protobuf ``ForwardBackwardRequest`` (zstd-compressed if the client says so)."""
+    body = await request.body()
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        limit = services.config.max_body_mb * 1024 * 1024
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+        except zstandard.ZstdError as exc:
+            raise UserError(f"invalid zstd body: {exc}") from None
+    batch = decode_forward_backward(body)
+    return services.training.forward_backward(owner, batch, _idempotency_key(request))
+
+
+@post(f"{API}/optim_step", status_code=200)
+async def optim_step(request: Request, owner: str, services: Services,
+                     data: Annotated[types.OptimStepRequest, Body()]) -> dict:
+    return services.training.optim_step(owner, data, _idempotency_key(request))
+
+
+@post(f"{API}/save_weights", status_code=200)
+async def save_weights(request: Request, owner: str, services: Services,
+                       data: Annotated[types.SaveWeightsRequest, Body()]) -> dict:
+    return services.training.save_weights(owner, data, _idempotency_key(request))
+
+
+@post(f"{API}/save_weights_for_sampler", status_code=200)
+async def save_weights_for_sampler(request: Request, owner: str, services: Services,
+                                   data: Annotated[types.SaveWeightsForSamplerRequest, Body()]) -> dict:
+    return services.training.save_weights_for_sampler(owner, data, _idempotency_key(request))
+
+
+@post(f"{API}/load_weights", status_code=200)
+async def load_weights(request: Request, owner: str, services: Services,
+                       data: Annotated[types.LoadWeightsRequest, Body()]) -> dict:
+    return services.training.load_weights(owner, data, _idempotency_key(request))
+
+
+@post(f"{API}/unload_model", status_code=200)
+async def unload_model(request: Request, owner: str, services: Services,
+                       data: Annotated[types.UnloadModelRequest, Body()]) -> dict:
+    return services.training.unload_model(owner, data.model_id, _idempotency_key(request))
+
+
+TRAINING_ROUTES = [create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
+                   load_weights, unload_model]

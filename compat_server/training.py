@@ -1,0 +1,251 @@
+"""The training operations behind the Tinker routes: what each request does to records, checkpoints and trainers.
+
+Routes parse HTTP and call one method here; each method checks what it can at once and hands the rest to the
+scheduler as a job, returning the future's JSON (``{"request_id", "model_id"}``) immediately.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import asdict
+from datetime import datetime, timedelta, timezone
+
+from tinker import types
+
+from adapters.base_models import BaseModelSpec
+from adapters.trainer import AdamHyper, LoraSpec, StepResult, read_lora_spec
+from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
+from compat_server.futures import JSON, PROTOBUF, Payload
+from compat_server.records import Records
+from compat_server.scheduler import Scheduler
+from shims.errors import UserError
+from shims.training_wire import ForwardBackwardBatch, encode_forward_backward_output
+
+log = logging.getLogger("compat_server.training")
+
+
+def json_payload(model: types.BaseModel) -> Payload:
+    return Payload(JSON, model.model_dump_json(exclude_none=True).encode())
+
+
+def model_id_for(session_id: str, model_seq_id: int) -> str:
+    """The id format the SDK itself assumes when it creates a training client from saved state."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+class TrainingService:
+    """Tinker training calls for one server: create, train, save, load and unload LoRA models."""
+
+    def __init__(self, records: Records, scheduler: Scheduler, checkpoints: CheckpointStore,
+                 base_models: dict[str, BaseModelSpec]) -> None:
+        self.records = records
+        self.scheduler = scheduler
+        self.checkpoints = checkpoints
+        self.base_models = base_models
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+    def _future(self, request_id: str, model_id: str | None = None) -> dict:
+        return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
+
+    def _owned_model(self, owner: str, model_id: str) -> dict:
+        row = self.records.model(model_id, owner)
+        if row is None:
+            raise UserError(f"unknown model_id {model_id!r}")
+        if row["status"] != "active":
+            raise UserError(f"model {model_id} is {row['status']}; create a new training client")
+        return row
+
+    def _base(self, name: str) -> BaseModelSpec:
+        spec = self.base_models.get(name)
+        if spec is None:
+            raise UserError(f"unknown base model {name!r}; this server serves: {', '.join(self.base_models)}")
+        return spec
+
+    def _ordered(self, owner: str, kind: str, model_id: str, seq_id: int | None, idem: str | None, job) -> dict:
+        """Queue ``job(model_row)`` in the model's seq order; an unknown model fails the future as a user error."""
+        try:
+            self._owned_model(owner, model_id)
+        except UserError as exc:
+            return self._future(self.scheduler.fail_now(owner=owner, kind=kind, message=str(exc),
+                                                        idempotency_key=idem), model_id)
+
+        async def run() -> Payload:
+            return await job(self._owned_model(owner, model_id))  # re-read: it may have been unloaded meanwhile
+
+        request_id = self.scheduler.submit(owner=owner, kind=kind, job=run, model_id=model_id, seq_id=seq_id,
+                                           idempotency_key=idem)
+        return self._future(request_id, model_id)
+
+    # ---- create / info / unload -----------------------------------------------------------------------------------
+    def create_model(self, owner: str, req: types.CreateModelRequest, idem: str | None) -> dict:
+        model_id = model_id_for(req.session_id, req.model_seq_id)
+
+        async def job() -> Payload:
+            if self.records.session(req.session_id, owner) is None:
+                raise UserError(f"unknown session_id {req.session_id!r}")
+            base = self._base(req.base_model)
+            if req.lora_config is None:
+                raise UserError("lora_config is required: this server trains LoRA adapters")
+            if req.optimizer_config.type != "adamw":
+                raise UserError(f"optimizer {req.optimizer_config.type!r} is not supported; use adamw")
+            if self.records.model(model_id, owner) is not None:
+                raise UserError(f"model {model_id} already exists")
+            lora = req.lora_config
+            spec = LoraSpec(rank=lora.rank, seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
+                            train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed)
+            spec.validate()
+            await self.scheduler.trainer(base.name, "create", model_id, spec)
+            self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
+                                      lora=asdict(spec), user_metadata=req.user_metadata)
+            log.info("model created: %s on %s (LoRA rank %d)", model_id, base.name, spec.rank)
+            return json_payload(types.CreateModelResponse(model_id=model_id))
+
+        return self._future(self.scheduler.submit(owner=owner, kind="create_model", job=job,
+                                                  idempotency_key=idem), model_id)
+
+    def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
+        row = self.records.model(model_id, owner)
+        if row is None:
+            raise UserError(f"unknown model_id {model_id!r}")
+        base = self.base_models[row["base_model"]]
+        facts = self.scheduler.trainers.facts[base.name]
+        return types.GetInfoResponse(
+            type="get_info", model_id=model_id, is_lora=True, lora_rank=row["lora_rank"], model_name=base.name,
+            model_data=types.ModelData(arch=facts.arch, model_name=base.name, tokenizer_id=base.tokenizer_id),
+        )
+
+    def unload_model(self, owner: str, model_id: str, idem: str | None) -> dict:
+        async def job(row: dict) -> Payload:
+            await self.scheduler.trainer(row["base_model"], "unload", model_id)
+            self.records.set_model_status(model_id, "unloaded")
+            log.info("model unloaded: %s", model_id)
+            return json_payload(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
+
+        return self._ordered(owner, "unload_model", model_id, None, idem, job)
+
+    # ---- training -------------------------------------------------------------------------------------------------
+    def forward_backward(self, owner: str, batch: ForwardBackwardBatch, idem: str | None) -> dict:
+        kind = "forward" if batch.forward_only else "forward_backward"
+
+        async def job(row: dict) -> Payload:
+            result: StepResult = await self.scheduler.trainer(
+                row["base_model"], "forward_backward", batch.model_id, batch.data, batch.loss_fn,
+                batch.loss_fn_config, batch.forward_only)
+            log.info("%s done: %s seq %d, %s %s, %d tokens, %.0f tokens/s", kind, batch.model_id, batch.seq_id,
+                     batch.loss_fn, " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()), result.num_tokens,
+                     result.num_tokens / max(result.seconds, 1e-9))
+            return Payload(PROTOBUF, encode_forward_backward_output(result.outputs, result.metrics))
+
+        return self._ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
+
+    def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
+        async def job(row: dict) -> Payload:
+            if not isinstance(req.optim_params, types.AdamParams):
+                raise UserError(f"optimizer params of type {req.optim_params.type!r} are not supported; use adam_params")
+            hyper = AdamHyper(**req.optim_params.model_dump())
+            metrics = await self.scheduler.trainer(row["base_model"], "optim_step", req.model_id, hyper)
+            log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
+                     hyper.learning_rate, metrics["grad_norm"])
+            return json_payload(types.OptimStepResponse(metrics=metrics))
+
+        return self._ordered(owner, "optim_step", req.model_id, req.seq_id, idem, job)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    async def _save(self, owner: str, row: dict, kind: str, name: str, method: str, overwrite: bool,
+                    ttl_seconds: int | None, user_metadata: dict | None) -> str:
+        """Have the trainer write a checkpoint into staging, then publish and record it."""
+        model_id = row["id"]
+        path = tinker_path(model_id, kind, name)
+        if self.checkpoints.directory(path).exists() and not overwrite:
+            raise UserError(f"checkpoint {path} already exists; choose another name")
+        if ttl_seconds is not None and ttl_seconds <= 0:
+            raise UserError(f"ttl_seconds must be positive, got {ttl_seconds}")
+        staging = self.checkpoints.staging(path)
+        try:
+            await self.scheduler.trainer(row["base_model"], method, model_id, str(staging))
+            size = self.checkpoints.publish(staging, path, overwrite)
+        finally:
+            self.checkpoints.discard(staging)
+        expires = (datetime.now(timezone.utc) + timedelta(seconds=ttl_seconds)).isoformat() if ttl_seconds else None
+        self.records.add_checkpoint(path, training_run_id=model_id, checkpoint_id=path.split("/", 3)[3],
+                                    kind=kind, owner=owner, base_model=row["base_model"], size_bytes=size,
+                                    expires_at=expires, user_metadata=user_metadata)
+        log.info("checkpoint saved: %s (%d bytes)", path, size)
+        return path
+
+    def save_weights(self, owner: str, req: types.SaveWeightsRequest, idem: str | None) -> dict:
+        async def job(row: dict) -> Payload:
+            name = req.path or f"seq-{req.seq_id or 0:06d}"
+            path = await self._save(owner, row, "training", name, "save_state", req.overwrite, req.ttl_seconds,
+                                    req.user_metadata)
+            return json_payload(types.SaveWeightsResponse(path=path, type="save_weights"))
+
+        return self._ordered(owner, "save_weights", req.model_id, req.seq_id, idem, job)
+
+    def save_weights_for_sampler(self, owner: str, req: types.SaveWeightsForSamplerRequest, idem: str | None) -> dict:
+        async def job(row: dict) -> Payload:
+            if req.path is None:
+                raise UserError("save_weights_for_sampler without a name (ephemeral sampler weights) needs "
+                                "sampling support, which this server does not have yet")
+            path = await self._save(owner, row, "sampler", req.path, "save_for_sampler", False, req.ttl_seconds,
+                                    req.user_metadata)
+            return json_payload(types.SaveWeightsForSamplerResponse(path=path, type="save_weights_for_sampler"))
+
+        return self._ordered(owner, "save_weights_for_sampler", req.model_id, req.seq_id, idem, job)
+
+    def load_weights(self, owner: str, req: types.LoadWeightsRequest, idem: str | None) -> dict:
+        """Load a checkpoint into an existing model (``load_state``) or into a new one (``create_training_client_
+        from_state``, which names the model by session and client number and sends no create_model)."""
+        if req.model_id is None:
+            if req.session_id is None or req.model_seq_id is None:
+                return self._future(self.scheduler.fail_now(
+                    owner=owner, kind="load_weights", idempotency_key=idem,
+                    message="load_weights needs model_id, or session_id and model_seq_id"))
+            return self._load_into_new_model(owner, req, idem)
+
+        async def job(row: dict) -> Payload:
+            ckpt = self._readable_checkpoint(owner, req.path)
+            if ckpt["base_model"] != row["base_model"]:
+                raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, "
+                                f"but model {req.model_id} uses {row['base_model']}")
+            await self._load(row["base_model"], req.model_id, req.path, req.optimizer)
+            return json_payload(types.LoadWeightsResponse(path=req.path, model_id=req.model_id, type="load_weights"))
+
+        return self._ordered(owner, "load_weights", req.model_id, req.seq_id, idem, job)
+
+    def _load_into_new_model(self, owner: str, req: types.LoadWeightsRequest, idem: str | None) -> dict:
+        model_id = model_id_for(req.session_id, req.model_seq_id)
+
+        async def job() -> Payload:
+            if self.records.session(req.session_id, owner) is None:
+                raise UserError(f"unknown session_id {req.session_id!r}")
+            if self.records.model(model_id, owner) is not None:
+                raise UserError(f"model {model_id} already exists")
+            ckpt = self._readable_checkpoint(owner, req.path)
+            if req.base_model and req.base_model != ckpt["base_model"]:
+                raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, not {req.base_model}")
+            base = self._base(ckpt["base_model"])
+            spec: LoraSpec = await self._load(base.name, model_id, req.path, req.optimizer)
+            self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
+                                      lora=asdict(spec), user_metadata=req.user_metadata)
+            log.info("model created from %s: %s on %s", req.path, model_id, base.name)
+            return json_payload(types.LoadWeightsResponse(path=req.path, model_id=model_id, type="load_weights"))
+
+        return self._future(self.scheduler.submit(owner=owner, kind="load_weights", job=job,
+                                                  idempotency_key=idem), model_id)
+
+    def _readable_checkpoint(self, owner: str, path: str) -> dict:
+        parse_path(path)
+        ckpt = self.records.checkpoint(path, owner)
+        if ckpt is None or not self.checkpoints.directory(path).exists():
+            raise UserError(f"checkpoint {path} not found")
+        return ckpt
+
+    async def _load(self, base_model: str, model_id: str, path: str, with_optimizer: bool) -> LoraSpec:
+        directory = self.checkpoints.directory(path)
+        spec = read_lora_spec(directory)
+        await self.scheduler.trainer(base_model, "load_state", model_id, str(directory), with_optimizer)
+        log.info("weights loaded: %s ← %s (%s optimizer state)", model_id, path, "with" if with_optimizer else "without")
+        return spec
+

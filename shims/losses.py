@@ -1,0 +1,96 @@
+"""The loss functions, one table: each loss's inputs, config defaults and formula, as pure torch functions.
+
+Every loss receives, per datum, the learner's log-probabilities of the target tokens (``target_logprobs``, shape
+``(N,)`` or ``(N, K)``) with gradient attached, plus that datum's ``loss_fn_inputs`` as tensors. As Tinker documents,
+every built-in loss is a plain sum of per-token terms over positions and datums — no mean — and reports it as the
+metric ``loss:sum``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shims.errors import UserError
+
+Config = Mapping[str, float | str]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One row of the loss table."""
+
+    name: str
+    fn: Callable[[torch.Tensor, dict[str, torch.Tensor], Config], torch.Tensor]
+    """(target_logprobs, inputs, config) → summed scalar loss of one datum."""
+    required_inputs: tuple[str, ...]
+    int_inputs: tuple[str, ...] = ("target_tokens",)
+    config_defaults: dict[str, float | str] = field(default_factory=dict)
+
+
+def _cross_entropy(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """``-(logprobs * weights).sum()`` — weights may be any float, the SDK's custom-loss path sends ``-grad`` here."""
+    return -(target_logprobs * inputs["weights"]).sum()
+
+
+LOSSES: dict[str, LossSpec] = {
+    spec.name: spec
+    for spec in [
+        LossSpec("cross_entropy", _cross_entropy, required_inputs=("target_tokens", "weights")),
+    ]
+}
+
+
+def resolve_config(loss_fn: str, config: Config) -> dict[str, float | str]:
+    """The loss's config with defaults filled in; an unknown loss or config key is a user error, never ignored."""
+    spec = LOSSES.get(loss_fn)
+    if spec is None:
+        raise UserError(f"unknown loss_fn {loss_fn!r}; this server supports: {', '.join(sorted(LOSSES))}")
+    unknown = sorted(set(config) - set(spec.config_defaults))
+    if unknown:
+        allowed = ", ".join(sorted(spec.config_defaults)) or "none"
+        raise UserError(f"loss_fn_config keys {unknown} are not used by {loss_fn!r} (accepted keys: {allowed})")
+    return {**spec.config_defaults, **config}
+
+
+def check_datum(loss_fn: str, index: int, tokens: np.ndarray, inputs: Mapping[str, np.ndarray], *,
+                vocab_size: int, max_context: int) -> None:
+    """Reject what the model cannot compute, naming the datum and the field: lengths, token ranges, shapes, NaN."""
+    spec = LOSSES[loss_fn]
+    n = tokens.size
+    where = f"datum {index}"
+    if n == 0:
+        raise UserError(f"{where}: model_input is empty")
+    if n > max_context:
+        raise UserError(f"{where}: {n} input tokens exceed the model's maximum context length of {max_context}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise UserError(f"{where}: model_input token ids must lie in [0, {vocab_size}), got {tokens.min()}..{tokens.max()}")
+    missing = [name for name in spec.required_inputs if name not in inputs]
+    if missing:
+        raise UserError(f"{where}: loss {loss_fn!r} needs loss_fn_inputs {missing}; got {sorted(inputs)}")
+    extra = sorted(set(inputs) - set(spec.required_inputs))
+    if extra:
+        raise UserError(f"{where}: loss {loss_fn!r} does not use loss_fn_inputs {extra}")
+    target_shape = inputs["target_tokens"].shape
+    if target_shape[:1] != (n,) or len(target_shape) > 2:
+        raise UserError(f"{where}: target_tokens has shape {list(target_shape)}; expected [{n}] or [{n}, K] "
+                        f"(one row per model_input position)")
+    for name, array in inputs.items():
+        if array.shape != target_shape:
+            raise UserError(f"{where}: {name} has shape {list(array.shape)} but target_tokens has {list(target_shape)}")
+        if name in spec.int_inputs:
+            if array.dtype.kind != "i":
+                raise UserError(f"{where}: {name} must be int64, got {array.dtype}")
+            if array.size and (array.min() < 0 or array.max() >= vocab_size):
+                raise UserError(f"{where}: {name} ids must lie in [0, {vocab_size}), got {array.min()}..{array.max()}")
+        elif not np.all(np.isfinite(array)):
+            raise UserError(f"{where}: {name} contains NaN or infinite values")
+
+
+def datum_loss(loss_fn: str, target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor],
+               config: Config) -> torch.Tensor:
+    """The summed loss of one datum under ``loss_fn`` (already validated by ``check_datum``)."""
+    return LOSSES[loss_fn].fn(target_logprobs, inputs, config)
