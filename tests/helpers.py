@@ -1,0 +1,63 @@
+"""Small builders shared by the SDK-driven tests, plus independent reference computations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tinker import types
+
+BASE_MODEL = "compat-server/tiny-qwen3"
+ADAM = types.AdamParams(learning_rate=1e-3)
+
+
+def make_datum(prompt: list[int], completion: list[int]) -> types.Datum:
+    """A next-token datum: weight 1 on the completion tokens only."""
+    tokens = prompt + completion
+    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
+                        "weights": np.array(weights, dtype=np.float32)},
+    )
+
+
+def datum_arrays(datum: types.Datum) -> tuple[list[int], np.ndarray, np.ndarray]:
+    return (datum.model_input.to_ints(), datum.loss_fn_inputs["target_tokens"].to_numpy(),
+            datum.loss_fn_inputs["weights"].to_numpy())
+
+
+def forward_logprobs(client, datum: types.Datum) -> np.ndarray:
+    return client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def train(client, datum: types.Datum, steps: int, adam: types.AdamParams = ADAM) -> list[float]:
+    """``steps`` rounds of forward_backward + optim_step, waiting for each; returns the reported losses."""
+    losses = []
+    for _ in range(steps):
+        fb = client.forward_backward([datum], "cross_entropy")
+        opt = client.optim_step(adam)
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def checkpoint_dir(data_dir: Path, tinker_path: str) -> Path:
+    """Where the server under test keeps a checkpoint (tinker://RUN/KIND/NAME → DATA/checkpoints/RUN/KIND/NAME)."""
+    return data_dir / "checkpoints" / tinker_path.removeprefix("tinker://")
+
+
+def reference_peft_model(base_dir: Path, adapter_dir: Path, trainable: bool = False):
+    """The adapter loaded the ordinary way, with transformers + peft, in fp32 — independent of the server."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+
+
+def reference_logprobs(model, datum: types.Datum) -> torch.Tensor:
+    tokens, targets, _ = datum_arrays(datum)
+    logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets)[:, None])[:, 0]

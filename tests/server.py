@@ -1,0 +1,68 @@
+"""Start the real server as a subprocess on 127.0.0.1 and wait until it answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    base_url: str
+    data_dir: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = None,
+                 timeout: float = 180) -> RunningServer:
+    port = free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / "server.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "compat_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args],
+        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    )
+    server = RunningServer(process, f"http://127.0.0.1:{port}", data_dir, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/api/v1/healthz", timeout=2).status_code == 200 \
+                    and "compat-server ready at" in server.log():
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"server did not become ready in {timeout}s:\n{server.log()}")

@@ -1,0 +1,172 @@
+"""The tinker SDK, unmodified, trains, saves and resumes LoRA adapters on the real server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from tests.helpers import (ADAM, BASE_MODEL, checkpoint_dir, datum_arrays, forward_logprobs, make_datum,
+                           reference_logprobs, reference_peft_model, train)
+
+PROMPT, COMPLETION = [11, 42, 77, 103, 250], [301, 17, 96]
+
+
+@pytest.fixture(scope="module")
+def datum() -> types.Datum:
+    return make_datum(PROMPT, COMPLETION)
+
+
+def test_capabilities_info_tokenizer_and_loss_falls(service_client):
+    caps = service_client.create_rest_client().get_server_capabilities().result()
+    model = next(m for m in caps.supported_models if m.model_name == BASE_MODEL)
+    assert model.max_context_length == 2048 and model.trainable
+
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0).result()
+    info = client.get_info()
+    assert info.model_data.model_name == BASE_MODEL and info.model_data.arch == "Qwen3ForCausalLM"
+    assert info.is_lora and info.lora_rank == 8
+    tokenizer = client.get_tokenizer()  # offline: HF_HUB_OFFLINE=1 is set for the whole test session
+    prompt = tokenizer.encode("The capital of France is")
+    completion = tokenizer.encode(" Paris.") + [tokenizer.eos_token_id]
+    assert tokenizer.decode(prompt + completion[:-1]) == "The capital of France is Paris."
+    datum = make_datum(prompt, completion)
+
+    losses = []
+    for _ in range(5):
+        fb = client.forward_backward([datum], "cross_entropy")
+        opt = client.optim_step(ADAM)
+        out = fb.result()
+        opt.result()
+        _, _, weights = datum_arrays(datum)
+        logprobs = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+        # The reported loss is the weighted sum of the returned logprobs, as Tinker defines cross_entropy.
+        assert out.metrics["loss:sum"] == pytest.approx(-(logprobs * weights).sum(), rel=1e-5)
+        losses.append(out.metrics["loss:sum"])
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+
+
+def test_forward_matches_transformers_peft_reference(service_client, server, tiny_model_dir, datum):
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    train(client, datum, 3)
+    path = client.save_weights_for_sampler("reference-check").result().path
+    assert path.startswith("tinker://") and "/sampler_weights/reference-check" in path
+    adapter_dir = checkpoint_dir(server.data_dir, path)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
+
+    served = forward_logprobs(client, datum)
+    model = reference_peft_model(tiny_model_dir, adapter_dir)
+    with torch.no_grad():
+        expected = reference_logprobs(model, datum).numpy()
+        with model.disable_adapter():
+            base_only = reference_logprobs(model, datum).numpy()
+    np.testing.assert_allclose(served, expected, atol=1e-5, rtol=0)
+    assert np.abs(served - base_only).max() > 1e-3, "training must have moved the adapter"
+
+
+def test_resume_from_state_is_exact(service_client, server, tiny_model_dir, datum):
+    run_a = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=11).result()
+    train(run_a, datum, 4)
+    final_a = forward_logprobs(run_a, datum)
+
+    run_b = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=11).result()
+    train(run_b, datum, 2)
+    state = run_b.save_state("after-2").result().path
+    assert "/weights/after-2" in state
+    at_save = forward_logprobs(run_b, datum)
+
+    # With the optimizer state: the continuation is exactly run A.
+    resumed = service_client.create_training_client_from_state_with_optimizer(state).result()
+    assert resumed.model_id != run_b.model_id
+    train(resumed, datum, 2)
+    np.testing.assert_allclose(forward_logprobs(resumed, datum), final_a, atol=1e-6, rtol=0)
+
+    # load_state_with_optimizer onto an existing client does the same.
+    reloaded = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=99).result()
+    reloaded.load_state_with_optimizer(state).result()
+    train(reloaded, datum, 2)
+    np.testing.assert_allclose(forward_logprobs(reloaded, datum), final_a, atol=1e-6, rtol=0)
+
+    # Without it: the weights are the saved ones, and AdamW starts afresh.
+    fresh = service_client.create_training_client_from_state(state).result()
+    np.testing.assert_allclose(forward_logprobs(fresh, datum), at_save, atol=1e-6, rtol=0)
+    train(fresh, datum, 2)
+    restarted = forward_logprobs(fresh, datum)
+    assert np.abs(restarted - final_a).max() > 1e-4, "a restarted optimizer must not reproduce the resumed run"
+
+    # Independent reference: PEFT loads the saved adapter and a new torch AdamW takes the same two steps.
+    sampler_path = run_b.save_weights_for_sampler("after-2").result().path
+    model = reference_peft_model(tiny_model_dir, checkpoint_dir(server.data_dir, sampler_path), trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
+                                  weight_decay=ADAM.weight_decay)
+    _, _, weights = datum_arrays(datum)
+    for _ in range(2):
+        loss = -(reference_logprobs(model, datum) * torch.tensor(weights)).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        np.testing.assert_allclose(restarted, reference_logprobs(model, datum).numpy(), atol=1e-5, rtol=0)
+
+
+def test_pipelined_submission_equals_waiting(service_client, datum):
+    pipelined = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=21).result()
+    waited = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=21).result()
+    futures = []
+    for _ in range(3):  # submitted back to back, nothing awaited in between
+        futures.append(pipelined.forward_backward([datum], "cross_entropy"))
+        futures.append(pipelined.optim_step(ADAM))
+    pipelined_losses = [f.result().metrics["loss:sum"] for f in futures[0::2]]
+    for f in futures[1::2]:
+        f.result()
+    waited_losses = train(waited, datum, 3)
+    assert pipelined_losses == pytest.approx(waited_losses, abs=1e-6)
+    np.testing.assert_allclose(forward_logprobs(pipelined, datum), forward_logprobs(waited, datum), atol=1e-6,
+                               rtol=0)
+
+
+def _expect_user_error(future, *fragments: str) -> None:
+    with pytest.raises(tinker.RequestFailedError) as info:
+        future.result()
+    assert info.value.category == types.RequestErrorCategory.User
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, datum, server):
+    with pytest.raises(tinker.RequestFailedError) as info:
+        service_client.create_lora_training_client(base_model="no-such/model", rank=4).result()
+    assert info.value.category == types.RequestErrorCategory.User and "unknown base model" in str(info.value)
+
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
+    tokens, targets, weights = datum_arrays(datum)
+
+    def custom(model_tokens, loss_inputs):
+        return types.Datum(model_input=types.ModelInput.from_ints(model_tokens), loss_fn_inputs=loss_inputs)
+
+    too_big = custom([*tokens[:-1], 600_000], {"target_tokens": targets, "weights": weights})
+    _expect_user_error(client.forward_backward([too_big], "cross_entropy"), "token ids", "[0, 512)")
+
+    short_weights = custom(tokens, {"target_tokens": targets, "weights": weights[:-2]})
+    _expect_user_error(client.forward_backward([short_weights], "cross_entropy"), "weights has shape")
+
+    nan_weights = custom(tokens, {"target_tokens": targets, "weights": np.where(weights > 0, np.nan, 0).astype(np.float32)})
+    _expect_user_error(client.forward_backward([nan_weights], "cross_entropy"), "NaN")
+
+    long_tokens = list(range(2100))
+    too_long = custom(long_tokens, {"target_tokens": np.array(long_tokens, dtype=np.int64) % 512,
+                                    "weights": np.ones(2100, dtype=np.float32)})
+    _expect_user_error(client.forward_backward([too_long], "cross_entropy"), "maximum context length of 2048")
+
+    _expect_user_error(client.forward_backward([datum], "no_such_loss"), "unknown loss_fn")
+
+    _expect_user_error(client.forward_backward([datum], "cross_entropy", loss_fn_config={"clip": 0.2}),
+                       "loss_fn_config keys")
+
+    # Nothing above touched the adapter: the same client still trains, and its first loss is the untrained one.
+    fresh = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
+    assert train(client, datum, 2) == pytest.approx(train(fresh, datum, 2), abs=1e-6)
+    assert server.alive()
