@@ -8,8 +8,17 @@ import tinker
 import torch
 from tinker import types
 
-from tests.helpers import (ADAM, BASE_MODEL, checkpoint_dir, datum_arrays, forward_logprobs, make_datum,
-                           reference_logprobs, reference_peft_model, train)
+from tests.helpers import (
+    ADAM,
+    BASE_MODEL,
+    checkpoint_dir,
+    datum_arrays,
+    forward_logprobs,
+    make_datum,
+    reference_logprobs,
+    reference_peft_model,
+    train,
+)
 
 PROMPT, COMPLETION = [11, 42, 77, 103, 250], [301, 17, 96]
 

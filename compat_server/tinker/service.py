@@ -7,7 +7,8 @@ import uuid
 from typing import Annotated, Any
 
 from litestar import get, post
-from litestar.params import Body
+from litestar.di import NamedDependency
+from litestar.params import Body, FromPath
 from tinker import types
 
 from compat_server.services import Services
@@ -18,18 +19,18 @@ API = "/api/v1"
 
 
 @post(f"{API}/client/config", status_code=200)
-async def client_config(owner: str) -> types.ClientConfigResponse:
+async def client_config(owner: NamedDependency[str]) -> types.ClientConfigResponse:
     """Feature flags for the SDK: plain API-key auth, uncompressed protobuf bodies, per-request futures."""
     return types.ClientConfigResponse(pjwt_auth_enabled=False, proto_compress_fwdbwd=False)
 
 
 @post(f"{API}/client/dynamic_config", status_code=200)
-async def client_dynamic_config(owner: str) -> types.ClientDynamicConfigResponse:
+async def client_dynamic_config(owner: NamedDependency[str]) -> types.ClientDynamicConfigResponse:
     return types.ClientDynamicConfigResponse()
 
 
 @post(f"{API}/create_session", status_code=200)
-async def create_session(owner: str, services: Services,
+async def create_session(owner: NamedDependency[str], services: NamedDependency[Services],
                          data: Annotated[types.CreateSessionRequest, Body()]) -> types.CreateSessionResponse:
     session_id = str(uuid.uuid4())
     services.records.create_session(session_id, owner, tags=data.tags, user_metadata=data.user_metadata or {},
@@ -39,7 +40,7 @@ async def create_session(owner: str, services: Services,
 
 
 @post(f"{API}/session_heartbeat", status_code=200)
-async def session_heartbeat(owner: str, services: Services,
+async def session_heartbeat(owner: NamedDependency[str], services: NamedDependency[Services],
                             data: Annotated[types.SessionHeartbeatRequest, Body()]) -> types.SessionHeartbeatResponse:
     if services.records.session(data.session_id, owner) is None:
         raise UserError(f"unknown session_id {data.session_id!r}")
@@ -48,7 +49,7 @@ async def session_heartbeat(owner: str, services: Services,
 
 
 @post(f"{API}/sessions/{{session_id:str}}/finish", status_code=200)
-async def finish_session(session_id: str, owner: str, services: Services,
+async def finish_session(session_id: FromPath[str], owner: NamedDependency[str], services: NamedDependency[Services],
                          data: Annotated[dict[str, Any], Body()]) -> dict:
     """Closing a session records why (success / errored / interrupted); the first reason given wins."""
     row = services.records.session(session_id, owner)
@@ -63,7 +64,7 @@ async def finish_session(session_id: str, owner: str, services: Services,
 
 
 @post(f"{API}/telemetry", status_code=200)
-async def telemetry(owner: str, services: Services,
+async def telemetry(owner: NamedDependency[str], services: NamedDependency[Services],
                     data: Annotated[types.TelemetrySendRequest, Body()]) -> types.TelemetryResponse:
     """SDK telemetry is accepted and counted, not stored: it holds nothing the operator needs."""
     services.records.count_telemetry(owner, data.session_id, len(data.events))
@@ -76,7 +77,7 @@ async def healthz() -> types.HealthResponse:
 
 
 @get(f"{API}/get_server_capabilities")
-async def get_server_capabilities(owner: str, services: Services) -> types.GetServerCapabilitiesResponse:
+async def get_server_capabilities(owner: NamedDependency[str], services: NamedDependency[Services]) -> types.GetServerCapabilitiesResponse:
     return types.GetServerCapabilitiesResponse(supported_models=[
         types.SupportedModel(model_name=name, max_context_length=services.trainers.facts[name].max_context,
                              trainable=True, sampleable=False)

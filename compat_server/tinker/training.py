@@ -6,6 +6,7 @@ from typing import Annotated
 
 import zstandard
 from litestar import Request, post
+from litestar.di import NamedDependency
 from litestar.params import Body
 from tinker import types
 
@@ -22,19 +23,19 @@ def _idempotency_key(request: Request) -> str | None:
 
 
 @post(f"{API}/create_model", status_code=200)
-async def create_model(request: Request, owner: str, services: Services,
+async def create_model(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.CreateModelRequest, Body()]) -> dict:
     return services.training.create_model(owner, data, _idempotency_key(request))
 
 
 @post(f"{API}/get_info", status_code=200)
-async def get_info(owner: str, services: Services,
+async def get_info(owner: NamedDependency[str], services: NamedDependency[Services],
                    data: Annotated[types.GetInfoRequest, Body()]) -> types.GetInfoResponse:
     return services.training.get_info(owner, data.model_id)
 
 
 @post(f"{API}/forward_backward", status_code=200)
-async def forward_backward(request: Request, owner: str, services: Services) -> dict:
+async def forward_backward(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     """The body is a protobuf ``ForwardBackwardRequest`` (zstd-compressed if the client says so)."""
     body = await request.body()
     if request.headers.get("content-encoding", "").lower() == "zstd":
@@ -48,31 +49,31 @@ async def forward_backward(request: Request, owner: str, services: Services) -> 
 
 
 @post(f"{API}/optim_step", status_code=200)
-async def optim_step(request: Request, owner: str, services: Services,
+async def optim_step(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                      data: Annotated[types.OptimStepRequest, Body()]) -> dict:
     return services.training.optim_step(owner, data, _idempotency_key(request))
 
 
 @post(f"{API}/save_weights", status_code=200)
-async def save_weights(request: Request, owner: str, services: Services,
+async def save_weights(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.SaveWeightsRequest, Body()]) -> dict:
     return services.training.save_weights(owner, data, _idempotency_key(request))
 
 
 @post(f"{API}/save_weights_for_sampler", status_code=200)
-async def save_weights_for_sampler(request: Request, owner: str, services: Services,
+async def save_weights_for_sampler(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                                    data: Annotated[types.SaveWeightsForSamplerRequest, Body()]) -> dict:
     return services.training.save_weights_for_sampler(owner, data, _idempotency_key(request))
 
 
 @post(f"{API}/load_weights", status_code=200)
-async def load_weights(request: Request, owner: str, services: Services,
+async def load_weights(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.LoadWeightsRequest, Body()]) -> dict:
     return services.training.load_weights(owner, data, _idempotency_key(request))
 
 
 @post(f"{API}/unload_model", status_code=200)
-async def unload_model(request: Request, owner: str, services: Services,
+async def unload_model(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.UnloadModelRequest, Body()]) -> dict:
     return services.training.unload_model(owner, data.model_id, _idempotency_key(request))
 

@@ -1,0 +1,47 @@
+"""The Tinker routes this server serves, each tied to the SDK types of its request, response and future result.
+
+A name is a tinker ``types`` class; ``protobuf:X`` is message X of ``tinker.proto.tinker_public_pb2``; None means
+the SDK sends or reads no typed body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    request: str | None
+    response: str | None
+    future_result: str | None = None
+    """For routes answering ``UntypedAPIFuture``: the type ``retrieve_future`` later returns."""
+
+
+FUTURE = "UntypedAPIFuture"
+
+TINKER_ROUTES: list[Route] = [
+    Route("POST", "/api/v1/client/config", "ClientConfigRequest", "ClientConfigResponse"),
+    Route("POST", "/api/v1/client/dynamic_config", "ClientConfigRequest", "ClientDynamicConfigResponse"),
+    Route("POST", "/api/v1/create_session", "CreateSessionRequest", "CreateSessionResponse"),
+    Route("POST", "/api/v1/session_heartbeat", "SessionHeartbeatRequest", "SessionHeartbeatResponse"),
+    Route("POST", "/api/v1/sessions/{session_id}/finish", None, None),
+    Route("POST", "/api/v1/telemetry", "TelemetrySendRequest", "TelemetryResponse"),
+    Route("GET", "/api/v1/healthz", None, "HealthResponse"),
+    Route("GET", "/api/v1/get_server_capabilities", None, "GetServerCapabilitiesResponse"),
+    Route("POST", "/api/v1/create_model", "CreateModelRequest", FUTURE, "CreateModelResponse"),
+    Route("POST", "/api/v1/get_info", "GetInfoRequest", "GetInfoResponse"),
+    Route("POST", "/api/v1/forward_backward", "protobuf:ForwardBackwardRequest", FUTURE,
+          "protobuf:ForwardBackwardOutput"),
+    Route("POST", "/api/v1/optim_step", "OptimStepRequest", FUTURE, "OptimStepResponse"),
+    Route("POST", "/api/v1/save_weights", "SaveWeightsRequest", FUTURE, "SaveWeightsResponse"),
+    Route("POST", "/api/v1/save_weights_for_sampler", "SaveWeightsForSamplerRequest", FUTURE,
+          "SaveWeightsForSamplerResponseInternal"),
+    Route("POST", "/api/v1/load_weights", "LoadWeightsRequest", FUTURE, "LoadWeightsResponse"),
+    Route("POST", "/api/v1/unload_model", "UnloadModelRequest", FUTURE, "UnloadModelResponse"),
+    Route("POST", "/api/v1/retrieve_future", "FutureRetrieveRequest", None),
+]
+
+FUTURE_STATES = ["TryAgainResponse", "RequestFailedResponse"]
+"""JSON answers of retrieve_future besides the result itself."""

@@ -1,0 +1,43 @@
+"""The command line and the built-in tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+from adapters.tiny_model import ensure_tiny_model
+
+
+def test_help_explains_every_serve_option():
+    top = subprocess.run([sys.executable, "-m", "compat_server.cli", "--help"], capture_output=True, text=True)
+    serve = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--help"], capture_output=True,
+                           text=True)
+    assert top.returncode == 0 and serve.returncode == 0
+    for option in ["--host", "--port", "--base-model", "--data-dir", "--ray-address", "--trainer-gpus",
+                   "--poll-hold-seconds", "--seq-gap-timeout", "--max-body-mb", "--log-level"]:
+        assert option in top.stdout and option in serve.stdout
+    assert "default: 127.0.0.1" in serve.stdout and "default: 8000" in serve.stdout
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_tiny_model_builds_deterministically_with_a_real_chat_tokenizer(tiny_model_dir, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    again = ensure_tiny_model(tmp_path)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert digest(tiny_model_dir / name) == digest(again / name), name
+    assert ensure_tiny_model(tmp_path) == again  # second call reuses the cache
+
+    config = AutoConfig.from_pretrained(str(again))
+    assert config.model_type == "qwen3" and config.tie_word_embeddings
+    tok = AutoTokenizer.from_pretrained(str(again))
+    text = "Hello world, the answer is 42!"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(text)) < len(text)  # real merges, not bytes
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and len(tok) == config.vocab_size

@@ -1,0 +1,152 @@
+"""The wire contract pinned from the tinker SDK: no drift, every pinned route served, live responses conform."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from contract.generate import PINNED, drift
+from tests.helpers import BASE_MODEL, make_datum
+
+ROUTES = json.loads((PINNED / "tinker_routes.json").read_text())["routes"]
+SCHEMAS = json.loads((PINNED / "tinker_schemas.json").read_text())["schemas"]
+
+
+def test_pinned_contract_matches_installed_sdk():
+    assert drift() == [], "run `python -m contract.generate` and review the diff"
+
+
+def test_every_pinned_route_is_served(tmp_path: Path):
+    from compat_server.app import create_app
+    from compat_server.config import ServerConfig
+
+    app = create_app(ServerConfig(data_dir=tmp_path))  # built, not started: only the route table is read
+    served = {(method, re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path))
+              for route in app.routes for method in route.methods}
+    missing = [(r["method"], r["path"]) for r in ROUTES if (r["method"], r["path"]) not in served]
+    assert missing == []
+
+
+def conforms(name: str, body: dict) -> dict:
+    jsonschema.validate(body, SCHEMAS[name])
+    return body
+
+
+class Client:
+    """Raw HTTP, exactly as the SDK would send it, so each response can be checked against its pinned schema."""
+
+    def __init__(self, base_url: str) -> None:
+        self.http = httpx.Client(base_url=base_url, headers={"X-API-Key": "tml-contract"}, timeout=60)
+
+    def post(self, path: str, body: dict, response: str | None) -> dict:
+        answer = self.http.post(f"/api/v1/{path}", json=body)
+        assert answer.status_code == 200, answer.text
+        return conforms(response, answer.json()) if response else answer.json()
+
+    def result(self, future: dict, result: str | None) -> dict | bytes:
+        conforms("UntypedAPIFuture", future)
+        while True:
+            answer = self.http.post("/api/v1/retrieve_future", json={"request_id": future["request_id"],
+                                                                      "allow_metadata_only": True})
+            assert answer.status_code == 200
+            if answer.headers["content-type"].startswith("application/x-protobuf"):
+                return answer.content
+            body = answer.json()
+            if body.get("type") != "try_again":
+                if "error" in body:
+                    return conforms("RequestFailedResponse", body)
+                return conforms(result, body) if result else body
+            conforms("TryAgainResponse", body)
+
+
+def test_live_responses_validate_against_pinned_schemas(server):
+    c = Client(server.base_url)
+    c.post("client/config", {"sdk_version": "0.38.0"}, "ClientConfigResponse")
+    c.post("client/dynamic_config", {"sdk_version": "0.38.0"}, "ClientDynamicConfigResponse")
+    conforms("HealthResponse", c.http.get("/api/v1/healthz").json())
+    caps = conforms("GetServerCapabilitiesResponse", c.http.get("/api/v1/get_server_capabilities").json())
+    assert BASE_MODEL in [m["model_name"] for m in caps["supported_models"]]
+    session = c.post("create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"},
+                     "CreateSessionResponse")["session_id"]
+    c.post("session_heartbeat", {"session_id": session}, "SessionHeartbeatResponse")
+    c.post("telemetry", {"events": [], "platform": "linux", "sdk_version": "0.38.0", "session_id": session,
+                         "process_uuid": "p"}, "TelemetryResponse")
+
+    created = c.result(c.post("create_model", {
+        "session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 4, "seed": 1},
+    }, None), "CreateModelResponse")
+    model_id = created["model_id"]
+    assert model_id == f"{session}:train:0"
+    info = c.post("get_info", {"model_id": model_id}, "GetInfoResponse")
+    assert info["model_data"]["tokenizer_id"]
+
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[make_datum([1, 2, 3], [4, 5])],
+                                                          loss_fn="cross_entropy"),
+        model_id=model_id, seq_id=1)
+    answer = c.http.post("/api/v1/forward_backward", content=forward_backward_request_to_proto(request)
+                         .SerializeToString(), headers={"Content-Type": "application/x-protobuf"})
+    proto_bytes = c.result(answer.json(), None)
+    pb.ForwardBackwardOutput().ParseFromString(proto_bytes)
+    output = deserialize_forward_backward_output(proto_bytes)
+    assert output.loss_fn_outputs[0]["logprobs"].shape == [4] and "loss:sum" in output.metrics
+
+    c.result(c.post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}},
+                    None), "OptimStepResponse")
+    saved = c.result(c.post("save_weights", {"model_id": model_id, "path": "c1", "seq_id": 3}, None),
+                     "SaveWeightsResponse")
+    c.result(c.post("save_weights_for_sampler", {"model_id": model_id, "path": "c1", "seq_id": 4}, None),
+             "SaveWeightsForSamplerResponseInternal")
+    c.result(c.post("load_weights", {"model_id": model_id, "seq_id": 5, "path": saved["path"], "optimizer": True},
+                    None), "LoadWeightsResponse")
+    failed = c.result(c.post("save_weights", {"model_id": model_id, "path": "c1", "seq_id": 6}, None), None)
+    assert failed["category"] == "user" and "already exists" in failed["error"]
+    c.result(c.post("unload_model", {"model_id": model_id}, None), "UnloadModelResponse")
+    c.post(f"sessions/{session}/finish", {"reason": {"type": "success"}, "detail": None}, None)
+
+    # A request whose turn has not come (seq 2 of a model with no seq 1) is answered with try_again.
+    other = c.result(c.post("create_model", {"session_id": session, "model_seq_id": 1, "base_model": BASE_MODEL,
+                                             "lora_config": {"rank": 4}}, None), "CreateModelResponse")
+    waiting = c.post("optim_step", {"model_id": other["model_id"], "seq_id": 2, "adam_params": {}}, None)
+    answer = c.http.post("/api/v1/retrieve_future", json={"request_id": waiting["request_id"]})
+    conforms("TryAgainResponse", answer.json())
+
+
+@pytest.mark.parametrize("headers, status", [({}, 401), ({"X-API-Key": "sk-not-tinker"}, 401)])
+def test_requests_without_a_valid_key_are_refused(server, headers, status):
+    answer = httpx.post(f"{server.base_url}/api/v1/create_session", headers=headers,
+                        json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
+    assert answer.status_code == status and "API key" in answer.json()["error"]
+
+
+def test_malformed_bodies_are_400_and_unknown_futures_404(server):
+    http = httpx.Client(base_url=server.base_url, headers={"X-API-Key": "tml-contract"})
+    bad_proto = http.post("/api/v1/forward_backward", content=b"\xff\xff\xff",
+                          headers={"Content-Type": "application/x-protobuf"})
+    assert bad_proto.status_code == 400 and "ForwardBackwardRequest" in bad_proto.json()["error"]
+    bad_json = http.post("/api/v1/create_model", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert bad_json.status_code == 400
+    unknown_field = http.post("/api/v1/optim_step", json={"model_id": "x", "adam_params": {}, "bogus": 1})
+    assert unknown_field.status_code == 400
+    unknown = http.post("/api/v1/retrieve_future", json={"request_id": "req-nope"})
+    assert unknown.status_code == 404
+    # Unknown model id: the future fails with a user error naming it.
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[make_datum([1, 2], [3])], loss_fn="cross_entropy"),
+        model_id="nobody:train:0", seq_id=1)
+    future = http.post("/api/v1/forward_backward", headers={"Content-Type": "application/x-protobuf"},
+                       content=forward_backward_request_to_proto(request).SerializeToString()).json()
+    failed = http.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json()
+    assert failed == {"error": "unknown model_id 'nobody:train:0'", "category": "user"}
+    assert http.get("/api/v1/healthz").status_code == 200
+    np.testing.assert_equal(server.alive(), True)

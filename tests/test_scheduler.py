@@ -1,0 +1,108 @@
+"""Per-model seq_id ordering, idempotent resubmission and error categories of the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from compat_server.futures import JSON, FutureHub, Payload
+from compat_server.records import Records
+from compat_server.scheduler import Scheduler
+from shims.errors import UserError
+
+
+@pytest.fixture
+def hub(tmp_path):
+    return FutureHub(Records(tmp_path / "records.sqlite3"))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def recorder(log: list, label: str, delay: float = 0.0):
+    async def job() -> Payload:
+        await asyncio.sleep(delay)
+        log.append(label)
+        return Payload(JSON, json.dumps({"label": label}).encode())
+    return job
+
+
+def test_jobs_run_in_seq_order_per_model_whatever_the_arrival_order(hub):
+    async def scenario():
+        scheduler = Scheduler(hub, trainers=None, gap_timeout=30)
+        log: list[str] = []
+        ids = {}
+        for seq in (3, 1, 4, 2):
+            ids[seq] = scheduler.submit(owner="o", kind="k", job=recorder(log, f"a{seq}", 0.01), model_id="a",
+                                        seq_id=seq)
+        ids["b"] = scheduler.submit(owner="o", kind="k", job=recorder(log, "b1"), model_id="b", seq_id=1)
+        for request_id in ids.values():
+            row = await hub.wait(request_id, "o", 5)
+            assert row["state"] == "complete"
+        return log
+
+    log = run(scenario())
+    assert [x for x in log if x.startswith("a")] == ["a1", "a2", "a3", "a4"]
+    assert "b1" in log
+
+
+def test_a_missing_seq_id_stalls_its_model_only_until_the_gap_timeout(hub):
+    async def scenario():
+        scheduler = Scheduler(hub, trainers=None, gap_timeout=0.3)
+        log: list[str] = []
+        later = scheduler.submit(owner="o", kind="k", job=recorder(log, "a2"), model_id="a", seq_id=2)
+        assert (await hub.wait(later, "o", 0.1))["state"] == "pending"
+        assert (await hub.wait(later, "o", 2))["state"] == "complete"
+        return log
+
+    assert run(scenario()) == ["a2"]
+
+
+def test_resubmission_with_the_same_idempotency_key_runs_once(hub):
+    async def scenario():
+        scheduler = Scheduler(hub, trainers=None, gap_timeout=5)
+        log: list[str] = []
+        first = scheduler.submit(owner="o", kind="k", job=recorder(log, "x"), model_id="a", seq_id=1,
+                                 idempotency_key="retry-1")
+        second = scheduler.submit(owner="o", kind="k", job=recorder(log, "x"), model_id="a", seq_id=1,
+                                  idempotency_key="retry-1")
+        other_tenant = scheduler.submit(owner="p", kind="k", job=recorder(log, "y"), model_id="c", seq_id=1,
+                                        idempotency_key="retry-1")
+        await hub.wait(first, "o", 5)
+        await hub.wait(other_tenant, "p", 5)
+        return first, second, other_tenant, log
+
+    first, second, other, log = run(scenario())
+    assert first == second and other != first
+    assert sorted(log) == ["x", "y"]
+
+
+def test_user_and_server_errors_are_categorised_and_isolated_by_owner(hub):
+    async def scenario():
+        scheduler = Scheduler(hub, trainers=None, gap_timeout=5)
+
+        async def bad_input() -> Payload:
+            raise UserError("weights has the wrong shape")
+
+        async def crash() -> Payload:
+            raise RuntimeError("trainer exploded")
+
+        user = scheduler.submit(owner="o", kind="k", job=bad_input, model_id="a", seq_id=1)
+        server = scheduler.submit(owner="o", kind="k", job=crash, model_id="a", seq_id=2)
+        return await hub.wait(user, "o", 5), await hub.wait(server, "o", 5), await hub.wait(user, "intruder", 0)
+
+    user, server, foreign = run(scenario())
+    assert (user["state"], user["category"], user["error"]) == ("failed", "user", "weights has the wrong shape")
+    assert (server["state"], server["category"]) == ("failed", "server") and "trainer exploded" in server["error"]
+    assert foreign is None
+
+
+def test_records_use_wal_and_carry_a_schema_version(tmp_path):
+    records = Records(tmp_path / "r.sqlite3")
+    assert records.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert [row["version"] for row in records.db["schema_version"].rows] == [1]
+    Records(tmp_path / "r.sqlite3")  # reopening an existing database keeps one version row
+    assert records.db["schema_version"].count == 1

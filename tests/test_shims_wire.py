@@ -1,0 +1,102 @@
+"""shims.tensors / shims.training_wire against the SDK's own encoder and decoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from shims.errors import UserError
+from shims.tensors import tensor_from_proto, tokens_from_chunks
+from shims.training_wire import decode_forward_backward, encode_forward_backward_output
+
+
+def sdk_bytes(data: list[types.Datum], loss_fn="cross_entropy", config=None, seq_id=7) -> bytes:
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
+        model_id="s:train:0", seq_id=seq_id)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_sdk_encoded_request_decodes_to_the_same_arrays():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 500, size=9).tolist()
+    targets = rng.integers(0, 500, size=9)
+    weights = rng.normal(size=9).astype(np.float32)
+    sparse_targets = torch.zeros((3, 8), dtype=torch.int64)
+    sparse_targets[0, 1], sparse_targets[2, 5] = 3, 4
+    sparse_weights = torch.zeros((3, 8))
+    sparse_weights[0, 1], sparse_weights[2, 5] = 0.5, 1.0
+    data = [
+        types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                    loss_fn_inputs={"target_tokens": targets, "weights": weights}),
+        types.Datum(model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 2]),
+                                                         types.EncodedTextChunk(tokens=[3])]),
+                    loss_fn_inputs={"target_tokens": types.TensorData.from_torch_sparse(sparse_targets),
+                                    "weights": types.TensorData.from_torch_sparse(sparse_weights)}),
+    ]
+    body = sdk_bytes(data, config={"clip_low_threshold": 0.8, "mode": "x"})
+    wire = pb.ForwardBackwardRequest.FromString(body)
+    assert wire.data[1].loss_fn_inputs["weights"].HasField("sparse_csr"), "the SDK should have sent CSR here"
+    batch = decode_forward_backward(body)
+    assert (batch.model_id, batch.seq_id, batch.loss_fn, batch.forward_only) == ("s:train:0", 7, "cross_entropy", False)
+    assert batch.loss_fn_config == {"clip_low_threshold": 0.8, "mode": "x"}
+    np.testing.assert_array_equal(batch.data[0].tokens, tokens)
+    np.testing.assert_array_equal(batch.data[0].loss_fn_inputs["target_tokens"], targets)
+    assert batch.data[0].loss_fn_inputs["target_tokens"].dtype == np.int64
+    np.testing.assert_array_equal(batch.data[0].loss_fn_inputs["weights"], weights)
+    np.testing.assert_array_equal(batch.data[1].tokens, [1, 2, 3])
+    np.testing.assert_array_equal(batch.data[1].loss_fn_inputs["target_tokens"], sparse_targets.numpy())
+    np.testing.assert_array_equal(batch.data[1].loss_fn_inputs["weights"], sparse_weights.numpy())
+    assert batch.num_tokens == 12
+
+
+def test_output_encoding_round_trips_through_the_sdk_decoder():
+    rng = np.random.default_rng(1)
+    outputs = [{"logprobs": rng.normal(size=n).astype(np.float32)} for n in (3, 1, 5)]
+    decoded = deserialize_forward_backward_output(encode_forward_backward_output(outputs, {"loss:sum": 2.5}))
+    assert decoded.metrics == {"loss:sum": 2.5}
+    for sent, got in zip(outputs, decoded.loss_fn_outputs):
+        np.testing.assert_array_equal(got["logprobs"].to_numpy(), sent["logprobs"])
+    two_d = [{"logprobs": rng.normal(size=(n, 3)).astype(np.float32)} for n in (2, 4)]
+    decoded = deserialize_forward_backward_output(encode_forward_backward_output(two_d, {}))
+    for sent, got in zip(two_d, decoded.loss_fn_outputs):
+        assert got["logprobs"].shape == [sent["logprobs"].shape[0], 3]
+        np.testing.assert_array_equal(got["logprobs"].to_numpy(), sent["logprobs"])
+
+
+@pytest.mark.parametrize("tensor, message", [
+    (pb.Tensor(dense=np.ones(3, np.float32).tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[4]), "does not match"),
+    (pb.Tensor(dense=b"\x00" * 5, dtype=pb.DTYPE_FLOAT32, shape=[1]), "not a whole number"),
+    (pb.Tensor(dense=b"", dtype=pb.DTYPE_BFLOAT16), "unsupported dtype"),
+    (pb.Tensor(sparse_csr=pb.SparseCsr(values=np.ones(2, np.float32).tobytes(),
+                                       crow_indices=np.array([0, 1, 3], np.int64).tobytes(),
+                                       col_indices=np.array([0, 1], np.int64).tobytes()),
+               dtype=pb.DTYPE_FLOAT32, shape=[2, 2]), "inconsistent sparse CSR"),
+    (pb.Tensor(sparse_csr=pb.SparseCsr(values=np.ones(1, np.float32).tobytes(),
+                                       crow_indices=np.array([0, 1], np.int64).tobytes(),
+                                       col_indices=np.array([9], np.int64).tobytes()),
+               dtype=pb.DTYPE_FLOAT32, shape=[1, 2]), "inconsistent sparse CSR"),
+])
+def test_malformed_tensors_are_user_errors(tensor, message):
+    with pytest.raises(UserError, match=message):
+        tensor_from_proto(tensor, "weights")
+
+
+def test_int32_tensors_widen_to_int64():
+    array = tensor_from_proto(pb.Tensor(dense=np.array([1, 2], np.int32).tobytes(), dtype=pb.DTYPE_INT32), "t")
+    assert array.dtype == np.int64 and array.tolist() == [1, 2]
+
+
+def test_non_text_chunks_and_garbage_are_refused():
+    image = pb.Chunk(image=pb.ImageChunk(data=b"png", format="png"))
+    with pytest.raises(UserError, match="'image' is not supported"):
+        tokens_from_chunks([image])
+    with pytest.raises(UserError, match="not a valid ForwardBackwardRequest"):
+        decode_forward_backward(b"\x0a\xff\xff\xff")
+    with pytest.raises(UserError, match="at least one datum"):
+        decode_forward_backward(pb.ForwardBackwardRequest(model_id="m").SerializeToString())
