@@ -204,11 +204,11 @@ class MultiLoRATrainer:
                 inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
                 total = total + datum_loss(loss_fn, target_logprobs, inputs, config)
                 outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
+            loss = float(total.detach())
+            if not math.isfinite(loss):  # checked before backward: a bad batch must not touch accumulated gradients
+                raise UserError(f"the loss is not finite ({loss}); check the loss inputs")
             if not forward_only:
                 total.backward()
-        loss = float(total.detach())
-        if not math.isfinite(loss):
-            raise UserError(f"the loss is not finite ({loss}); check the loss inputs")
         num_tokens = int(sum(d.tokens.size for d in data))
         return StepResult(outputs=outputs, metrics={"loss:sum": loss}, num_tokens=num_tokens,
                           seconds=time.perf_counter() - started)

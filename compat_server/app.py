@@ -66,4 +66,5 @@ def create_app(config: ServerConfig) -> Litestar:
         },
         request_max_body_size=config.max_body_mb * 1024 * 1024,
         debug=False,
+        logging_config=None,  # the CLI configures logging once, for the whole process
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 import ray
@@ -30,8 +31,20 @@ class Services:
 
 
 def _start_ray(config: ServerConfig) -> None:
+    """Join or start Ray. Ray installs a SIGTERM handler that exits the process at once; the server's own (uvicorn's
+    graceful shutdown) is put back so a terminated server still finishes its requests and stops Ray cleanly."""
     if ray.is_initialized():
         return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _init_ray(config)
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _init_ray(config: ServerConfig) -> None:
     if config.ray_address:
         ray.init(address=config.ray_address, log_to_driver=True, configure_logging=False)
     else:

@@ -28,8 +28,8 @@ def datum() -> types.Datum:
     return make_datum(PROMPT, COMPLETION)
 
 
-def test_capabilities_info_tokenizer_and_loss_falls(service_client):
-    caps = service_client.create_rest_client().get_server_capabilities().result()
+def test_capabilities_info_tokenizer_and_loss_falls(service_client, server):
+    caps = tinker.RestClient(base_url=server.base_url, api_key="tml-test-main").get_server_capabilities().result()
     model = next(m for m in caps.supported_models if m.model_name == BASE_MODEL)
     assert model.max_context_length == 2048 and model.trainable
 
@@ -75,6 +75,7 @@ def test_forward_matches_transformers_peft_reference(service_client, server, tin
     assert np.abs(served - base_only).max() > 1e-3, "training must have moved the adapter"
 
 
+@pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state:FutureWarning")
 def test_resume_from_state_is_exact(service_client, server, tiny_model_dir, datum):
     run_a = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=11).result()
     train(run_a, datum, 4)
