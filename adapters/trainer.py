@@ -163,9 +163,6 @@ class MultiLoRATrainer:
         self.peft.delete_adapter(adapter.name)
         del self.adapters[model_id]
 
-    def has(self, model_id: str) -> bool:
-        return model_id in self.adapters
-
     def _get(self, model_id: str) -> _Adapter:
         adapter = self.adapters.get(model_id)
         if adapter is None:

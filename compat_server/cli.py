@@ -106,9 +106,9 @@ def serve(config: ServerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "serve":
+    if args.command is None:
         parser.print_help()
-        sys.exit(0 if args.command is None and argv == [] else 2)
+        return
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     # Quiet third-party progress bars in the server and in the Ray workers it starts (they inherit the environment).

@@ -69,6 +69,6 @@ class FutureHub:
         if event is not None:
             try:
                 await asyncio.wait_for(event.wait(), timeout=hold_seconds)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.records.future(request_id, owner)

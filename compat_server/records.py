@@ -6,7 +6,7 @@ Every record carries ``owner``: a hash of the API key that created it (never the
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime, timezone, UTC
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ SCHEMA_VERSION = 1
 
 def now() -> str:
     """Timestamps are ISO-8601 UTC strings: sortable, readable in the database, and what the SDK's types parse."""
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 class Records:

@@ -80,7 +80,7 @@ class Scheduler:
                 try:
                     await asyncio.wait_for(lane.arrived.wait(), timeout=self.gap_timeout)
                     continue
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     seq = min(lane.waiting)
                     log.warning("model %s: seq_id %d never arrived after %.0fs; continuing at %d", model_id,
                                 lane.next_seq, self.gap_timeout, seq)
@@ -93,7 +93,7 @@ class Scheduler:
             payload = await job()
         except UserError as exc:
             self.hub.fail(request_id, str(exc), "user")
-        except Exception as exc:  # noqa: BLE001 - anything else is the server's fault, reported as such
+        except Exception as exc:
             log.exception("request %s (%s) failed", request_id, what)
             self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
         else:

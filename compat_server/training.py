@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import asdict
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, UTC
 
 from tinker import types
 
@@ -167,8 +167,8 @@ class TrainingService:
             size = self.checkpoints.publish(staging, path, overwrite)
         finally:
             self.checkpoints.discard(staging)
-        expires = (datetime.now(timezone.utc) + timedelta(seconds=ttl_seconds)).isoformat() if ttl_seconds else None
-        self.records.add_checkpoint(path, training_run_id=model_id, checkpoint_id=path.split("/", 3)[3],
+        expires = (datetime.now(UTC) + timedelta(seconds=ttl_seconds)).isoformat() if ttl_seconds else None
+        self.records.add_checkpoint(path, training_run_id=model_id, checkpoint_id=parse_path(path).checkpoint_id,
                                     kind=kind, owner=owner, base_model=row["base_model"], size_bytes=size,
                                     expires_at=expires, user_metadata=user_metadata)
         log.info("checkpoint saved: %s (%d bytes)", path, size)

@@ -31,10 +31,6 @@ class ForwardBackwardBatch:
     forward_only: bool
     data: list[DatumArrays]
 
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(d.tokens.size for d in self.data))
-
 
 def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
     """Parse a serialized ``tinker_public.ForwardBackwardRequest``.
