@@ -140,6 +140,8 @@ def test_malformed_bodies_are_400_and_unknown_futures_404(server):
     assert unknown_field.status_code == 400
     unknown = http.post("/api/v1/retrieve_future", json={"request_id": "req-nope"})
     assert unknown.status_code == 404
+    gone = http.post("/api/v1/session_heartbeat", json={"session_id": "no-such-session"})
+    assert gone.status_code == 410 and "unknown session_id" in gone.json()["error"]
     # Unknown model id: the future fails with a user error naming it.
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[make_datum([1, 2], [3])], loss_fn="cross_entropy"),

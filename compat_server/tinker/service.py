@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 from litestar import get, post
 from litestar.di import NamedDependency
+from litestar.exceptions import ClientException
 from litestar.params import Body, FromPath
 from tinker import types
 
@@ -42,8 +43,9 @@ async def create_session(owner: NamedDependency[str], services: NamedDependency[
 @post(f"{API}/session_heartbeat", status_code=200)
 async def session_heartbeat(owner: NamedDependency[str], services: NamedDependency[Services],
                             data: Annotated[types.SessionHeartbeatRequest, Body()]) -> types.SessionHeartbeatResponse:
+    """An unknown session answers 410 Gone, which stops the SDK's heartbeat loop instead of retrying forever."""
     if services.records.session(data.session_id, owner) is None:
-        raise UserError(f"unknown session_id {data.session_id!r}")
+        raise ClientException(f"unknown session_id {data.session_id!r}", status_code=410)
     services.records.heartbeat(data.session_id)
     return types.SessionHeartbeatResponse(type="session_heartbeat")
 
