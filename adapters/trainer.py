@@ -75,6 +75,8 @@ class AdamHyper:
         for name, value in asdict(self).items():
             if not math.isfinite(value) or value < 0:
                 raise UserError(f"adam_params.{name} must be a finite number ≥ 0, got {value}")
+        if self.eps <= 0:
+            raise UserError(f"adam_params.eps must be > 0 (0 divides by zero on untouched weights), got {self.eps}")
         if self.beta1 >= 1 or self.beta2 >= 1:
             raise UserError(f"adam_params beta1 and beta2 must be < 1, got {self.beta1}, {self.beta2}")
 
@@ -227,6 +229,10 @@ class MultiLoRATrainer:
         adapter = self._get(model_id)
         grads = [p for p in adapter.params if p.grad is not None]
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in grads])) if grads else 0.0
+        if not math.isfinite(grad_norm):
+            adapter.optimizer.zero_grad(set_to_none=True)
+            raise UserError(f"the accumulated gradient is not finite (norm {grad_norm}); it was discarded and the "
+                            "weights were not changed")
         if hyper.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(grads, hyper.grad_clip_norm, torch.tensor(grad_norm))
         for group in adapter.optimizer.param_groups:
@@ -269,18 +275,27 @@ class MultiLoRATrainer:
         spec = read_lora_spec(src)
         if with_optimizer and not (src / OPTIMIZER_STATE).exists():
             raise UserError("this checkpoint has no optimizer state (sampler weights); load it without the optimizer")
+        staging_id = f"{model_id}#loading"  # built beside the current adapter, swapped in only once complete
+        self.create(staging_id, spec)
+        staged = self.adapters[staging_id]
+        try:
+            result = set_peft_model_state_dict(self.peft, load_file(str(src / ADAPTER_WEIGHTS)),
+                                               adapter_name=staged.name)
+            missing = [k for k in result.missing_keys if f".{staged.name}." in k]
+            if missing:
+                raise UserError(f"checkpoint is missing {len(missing)} adapter tensors, e.g. {missing[0]}")
+            if with_optimizer:
+                staged.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.device))
+                staged.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
+        except UserError:
+            self.unload(staging_id)
+            raise
+        except Exception as exc:
+            self.unload(staging_id)
+            raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
         if model_id in self.adapters:
             self.unload(model_id)
-        self.create(model_id, spec)
-        adapter = self.adapters[model_id]
-        result = set_peft_model_state_dict(self.peft, load_file(str(src / ADAPTER_WEIGHTS)), adapter_name=adapter.name)
-        missing = [k for k in result.missing_keys if f".{adapter.name}." in k]
-        if missing:
-            self.unload(model_id)
-            raise UserError(f"checkpoint is missing {len(missing)} adapter tensors, e.g. {missing[0]}")
-        if with_optimizer:
-            adapter.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.device))
-            adapter.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
+        self.adapters[model_id] = self.adapters.pop(staging_id)
         return spec
 
 

@@ -7,10 +7,13 @@ wake up long-polling ``retrieve_future`` calls.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 
 from compat_server.records import Records
+
+log = logging.getLogger("compat_server.futures")
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
@@ -30,6 +33,9 @@ class FutureHub:
     def __init__(self, records: Records) -> None:
         self.records = records
         self._events: dict[str, asyncio.Event] = {}
+        abandoned = records.fail_pending_futures("the server restarted before this request finished; resubmit it")
+        if abandoned:
+            log.warning("%d requests were in flight when the server last stopped; they are marked failed", abandoned)
 
     def create(self, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
                idempotency_key: str | None) -> tuple[str, bool]:
@@ -65,10 +71,9 @@ class FutureHub:
         row = self.records.future(request_id, owner)
         if row is None or row["state"] != "pending":
             return row
-        event = self._events.get(request_id)
-        if event is not None:
-            try:
-                await asyncio.wait_for(event.wait(), timeout=hold_seconds)
-            except TimeoutError:
-                pass
+        event = self._events.setdefault(request_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout=hold_seconds)
+        except TimeoutError:
+            pass
         return self.records.future(request_id, owner)

@@ -97,6 +97,18 @@ class Records:
     def set_model_status(self, model_id: str, status: str) -> None:
         self.db["models"].update(model_id, {"status": status, "last_request": now()})
 
+    def set_model_lora(self, model_id: str, lora: dict[str, Any]) -> None:
+        self.db["models"].update(model_id, {"lora_rank": lora["rank"], "lora_config": json.dumps(lora)})
+
+    def unload_all_models(self) -> int:
+        """At start-up: trainers start empty, so models active in a previous process must be reloaded from a
+        checkpoint (create_training_client_from_state)."""
+        active = self.db["models"].count_where("status = 'active'")
+        if active:
+            self.db.execute("UPDATE models SET status = 'unloaded (server restarted)' WHERE status = 'active'")
+            self.db.conn.commit()
+        return active
+
     # ---- futures --------------------------------------------------------------------------------------------------
     def create_future(self, request_id: str, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
                       idempotency_key: str | None) -> None:
@@ -116,6 +128,15 @@ class Records:
     def fail_future(self, request_id: str, *, error: str, category: str) -> None:
         self.db["futures"].update(request_id, {"state": "failed", "finished": now(), "error": error,
                                                "category": category})
+
+    def fail_pending_futures(self, error: str) -> int:
+        """At start-up: nothing is running yet, so every pending future was abandoned by a previous process."""
+        pending = self.db["futures"].count_where("state = 'pending'")
+        if pending:
+            self.db.execute("UPDATE futures SET state = 'failed', category = 'server', error = ?, finished = ? "
+                            "WHERE state = 'pending'", [error, now()])
+            self.db.conn.commit()
+        return pending
 
     def future(self, request_id: str, owner: str) -> dict | None:
         return self._owned("futures", request_id, owner)

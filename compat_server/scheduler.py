@@ -26,6 +26,8 @@ Job = Callable[[], Awaitable[Payload]]
 class _Lane:
     next_seq: int = 1
     waiting: dict[int, tuple[str, Job]] = field(default_factory=dict)
+    skipped: set[int] = field(default_factory=set)
+    """Numbers passed over by the gap timeout: if one turns up late after all, it still runs."""
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task | None = None
 
@@ -47,14 +49,21 @@ class Scheduler:
         Jobs with a ``seq_id`` run in that model's order; jobs without one (model creation) run immediately.
         A resubmission with the same idempotency key returns the first request's id and runs nothing.
         """
+        lane = self._lanes.setdefault(model_id, _Lane()) if model_id is not None and seq_id is not None else None
+        if lane is not None and seq_id in lane.waiting:
+            return lane.waiting[seq_id][0]  # the same turn resubmitted (a retry with a fresh idempotency key)
         request_id, created = self.hub.create(owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
                                               idempotency_key=idempotency_key)
         if not created:
             return request_id
-        if model_id is None or seq_id is None:
+        if lane is None:
             self._spawn(self._run(request_id, kind, job))
             return request_id
-        lane = self._lanes.setdefault(model_id, _Lane())
+        if seq_id < lane.next_seq and seq_id not in lane.skipped:
+            self.hub.fail(request_id, f"seq_id {seq_id} of model {model_id} was already used; the next expected "
+                                      f"is {lane.next_seq}", "user")
+            return request_id
+        lane.skipped.discard(seq_id)
         lane.waiting[seq_id] = (request_id, job)
         lane.arrived.set()
         if lane.runner is None or lane.runner.done():
@@ -74,7 +83,7 @@ class Scheduler:
             if lane.next_seq in lane.waiting:
                 seq = lane.next_seq
             elif min(lane.waiting) < lane.next_seq:
-                seq = min(lane.waiting)  # a late duplicate of a slot already passed: run it as it comes
+                seq = min(lane.waiting)  # a number the gap timeout skipped, arriving late after all
             else:
                 lane.arrived.clear()
                 try:
@@ -82,6 +91,7 @@ class Scheduler:
                     continue
                 except TimeoutError:
                     seq = min(lane.waiting)
+                    lane.skipped.update(range(lane.next_seq, seq))
                     log.warning("model %s: seq_id %d never arrived after %.0fs; continuing at %d", model_id,
                                 lane.next_seq, self.gap_timeout, seq)
             request_id, job = lane.waiting.pop(seq)

@@ -56,6 +56,7 @@ async def start_services(config: ServerConfig) -> Services:
     """Open the records, start Ray and the trainers; returns when every base model is loaded."""
     base_models = {name: resolve_base_model(name) for name in config.base_models}
     records = Records(config.records_path)
+    records.unload_all_models()
     _start_ray(config)
     gpus = config.trainer_gpus
     if gpus is None:

@@ -124,6 +124,13 @@ class TrainingService:
 
         return self._ordered(owner, "unload_model", model_id, None, idem, job)
 
+    def reject(self, owner: str, kind: str, model_id: str, seq_id: int | None, message: str, idem: str | None) -> dict:
+        """Fail a request with a user error in its model's turn, so later requests of that model are not held up."""
+        async def job(row: dict) -> Payload:
+            raise UserError(message)
+
+        return self._ordered(owner, kind, model_id, seq_id, idem, job)
+
     # ---- training -------------------------------------------------------------------------------------------------
     def forward_backward(self, owner: str, batch: ForwardBackwardBatch, idem: str | None) -> dict:
         kind = "forward" if batch.forward_only else "forward_backward"
@@ -209,7 +216,8 @@ class TrainingService:
             if ckpt["base_model"] != row["base_model"]:
                 raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, "
                                 f"but model {req.model_id} uses {row['base_model']}")
-            await self._load(row["base_model"], req.model_id, req.path, req.optimizer)
+            spec = await self._load(row["base_model"], req.model_id, req.path, req.optimizer)
+            self.records.set_model_lora(req.model_id, asdict(spec))
             return json_payload(types.LoadWeightsResponse(path=req.path, model_id=req.model_id, type="load_weights"))
 
         return self._ordered(owner, "load_weights", req.model_id, req.seq_id, idem, job)

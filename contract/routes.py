@@ -38,6 +38,8 @@ TINKER_ROUTES: list[Route] = [
     Route("POST", "/api/v1/save_weights", "SaveWeightsRequest", FUTURE, "SaveWeightsResponse"),
     Route("POST", "/api/v1/save_weights_for_sampler", "SaveWeightsForSamplerRequest", FUTURE,
           "SaveWeightsForSamplerResponseInternal"),
+    Route("POST", "/api/v1/save_weights_external", "SaveWeightsExternalRequest", FUTURE,
+          "SaveWeightsExternalResponseInternal"),
     Route("POST", "/api/v1/load_weights", "LoadWeightsRequest", FUTURE, "LoadWeightsResponse"),
     Route("POST", "/api/v1/unload_model", "UnloadModelRequest", FUTURE, "UnloadModelResponse"),
     Route("POST", "/api/v1/retrieve_future", "FutureRetrieveRequest", None),

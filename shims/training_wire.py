@@ -12,6 +12,19 @@ from shims.errors import UserError
 from shims.tensors import batched_tensor, tensor_from_proto, tokens_from_chunks
 
 
+class RejectedRequest(UserError):
+    """A request whose ids could be read but whose content is wrong.
+
+    The SDK has already spent its ``seq_id``, so the rejection must take that slot in the model's queue (as a failed
+    future) rather than be a bare HTTP 400 — otherwise the model's next request would wait for a number that never
+    comes.
+    """
+
+    def __init__(self, message: str, model_id: str, seq_id: int, forward_only: bool) -> None:
+        super().__init__(message)
+        self.model_id, self.seq_id, self.forward_only = model_id, seq_id, forward_only
+
+
 @dataclass
 class DatumArrays:
     """One training example: input tokens and its named loss inputs, one row per input position."""
@@ -46,7 +59,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
     if not msg.model_id:
         raise UserError("model_id is required")
     if not msg.data:
-        raise UserError("forward_backward needs at least one datum")
+        raise RejectedRequest("forward_backward needs at least one datum", msg.model_id, msg.seq_id, msg.forward_only)
     if msg.loss_fn_config_v2:
         config: dict[str, float | str] = {
             k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()
@@ -59,7 +72,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
             tokens = tokens_from_chunks(datum.model_input)
             inputs = {name: tensor_from_proto(t, name) for name, t in datum.loss_fn_inputs.items()}
         except UserError as exc:
-            raise UserError(f"datum {i}: {exc}") from None
+            raise RejectedRequest(f"datum {i}: {exc}", msg.model_id, msg.seq_id, msg.forward_only) from None
         data.append(DatumArrays(tokens=tokens, loss_fn_inputs=inputs))
     return ForwardBackwardBatch(
         model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn or "cross_entropy", loss_fn_config=config,
@@ -67,15 +80,27 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
     )
 
 
+def _layout(output: dict[str, np.ndarray]) -> tuple:
+    return tuple((name, a.dtype.str, a.shape[1:]) for name, a in sorted(output.items()))
+
+
 def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
     """Serialize per-datum loss outputs and metrics as a ``tinker_public.ForwardBackwardOutput``.
 
-    Every datum must carry the same output names: a BatchedTensor's offsets span the whole batch.
+    A BatchedTensor holds one dtype and trailing shape, so datums with different ``(N, K)`` layouts go into separate
+    ArrayRecords (the SDK concatenates them); every datum must carry the same output names.
     """
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
-    for name in outputs[0] if outputs else ():
-        record.fields[name].CopyFrom(batched_tensor([out[name] for out in outputs]))
-    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    start = 0
+    while start < len(outputs):  # one record per run of datums whose fields share dtype and trailing shape
+        layout = _layout(outputs[start])
+        end = start + 1
+        while end < len(outputs) and _layout(outputs[end]) == layout:
+            end += 1
+        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=end - start)
+        for name in outputs[start]:
+            record.fields[name].CopyFrom(batched_tensor([out[name] for out in outputs[start:end]]))
+        start = end
     for key, value in metrics.items():
         msg.metrics[key] = float(value)
     return msg.SerializeToString()

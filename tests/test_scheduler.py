@@ -80,6 +80,36 @@ def test_resubmission_with_the_same_idempotency_key_runs_once(hub):
     assert sorted(log) == ["x", "y"]
 
 
+def test_a_resubmitted_turn_gets_the_same_future_and_a_used_turn_is_refused(hub):
+    async def scenario():
+        scheduler = Scheduler(hub, trainers=None, gap_timeout=0.2)
+        log: list[str] = []
+        waiting = scheduler.submit(owner="o", kind="k", job=recorder(log, "a2"), model_id="a", seq_id=2)
+        again = scheduler.submit(owner="o", kind="k", job=recorder(log, "a2-again"), model_id="a", seq_id=2)
+        assert again == waiting
+        await hub.wait(waiting, "o", 3)  # seq 1 never came: skipped after the gap timeout
+        late_skipped = scheduler.submit(owner="o", kind="k", job=recorder(log, "a1-late"), model_id="a", seq_id=1)
+        reused = scheduler.submit(owner="o", kind="k", job=recorder(log, "a2-reused"), model_id="a", seq_id=2)
+        return log, await hub.wait(late_skipped, "o", 3), await hub.wait(reused, "o", 3)
+
+    log, late, reused = run(scenario())
+    assert log == ["a2", "a1-late"]
+    assert late["state"] == "complete"
+    assert (reused["state"], reused["category"]) == ("failed", "user") and "already used" in reused["error"]
+
+
+def test_futures_left_pending_by_a_previous_process_fail_as_server_errors(tmp_path):
+    records = Records(tmp_path / "r.sqlite3")
+    records.create_future("req-1", owner="o", model_id="m", seq_id=1, kind="k", idempotency_key=None)
+    records.create_model("m", session_id="s", owner="o", base_model="b", lora={"rank": 4}, user_metadata=None)
+    restarted = Records(tmp_path / "r.sqlite3")
+    assert restarted.unload_all_models() == 1
+    FutureHub(restarted)
+    row = restarted.future("req-1", "o")
+    assert (row["state"], row["category"]) == ("failed", "server") and "restarted" in row["error"]
+    assert restarted.model("m", "o")["status"].startswith("unloaded")
+
+
 def test_user_and_server_errors_are_categorised_and_isolated_by_owner(hub):
     async def scenario():
         scheduler = Scheduler(hub, trainers=None, gap_timeout=5)

@@ -68,6 +68,15 @@ def test_output_encoding_round_trips_through_the_sdk_decoder():
         np.testing.assert_array_equal(got["logprobs"].to_numpy(), sent["logprobs"])
 
 
+def test_outputs_of_different_layouts_in_one_batch_reach_the_sdk_intact():
+    outputs = [{"logprobs": np.arange(3, dtype=np.float32)}, {"logprobs": np.ones((2, 2), np.float32)},
+               {"logprobs": np.zeros((4, 2), np.float32)}, {"logprobs": np.full(1, 7, np.float32)}]
+    decoded = deserialize_forward_backward_output(encode_forward_backward_output(outputs, {}))
+    assert [o["logprobs"].shape for o in decoded.loss_fn_outputs] == [[3], [2, 2], [4, 2], [1]]
+    for sent, got in zip(outputs, decoded.loss_fn_outputs):
+        np.testing.assert_array_equal(got["logprobs"].to_numpy().reshape(sent["logprobs"].shape), sent["logprobs"])
+
+
 @pytest.mark.parametrize("tensor, message", [
     (pb.Tensor(dense=np.ones(3, np.float32).tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[4]), "does not match"),
     (pb.Tensor(dense=b"\x00" * 5, dtype=pb.DTYPE_FLOAT32, shape=[1]), "not a whole number"),

@@ -146,6 +146,7 @@ def _expect_user_error(future, *fragments: str) -> None:
         assert fragment in str(info.value)
 
 
+@pytest.mark.timeout(100)  # a request stuck behind a missing seq_id would wait the 120 s gap timeout
 def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, datum, server):
     with pytest.raises(tinker.RequestFailedError) as info:
         service_client.create_lora_training_client(base_model="no-such/model", rank=4).result()
@@ -172,6 +173,13 @@ def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, 
     _expect_user_error(client.forward_backward([too_long], "cross_entropy"), "maximum context length of 2048")
 
     _expect_user_error(client.forward_backward([datum], "no_such_loss"), "unknown loss_fn")
+
+    # Rejected while decoding, yet it takes its turn: the next request is not held up waiting for its seq_id.
+    image = types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG", format="png")]),
+                        loss_fn_inputs={"target_tokens": np.array([1], np.int64), "weights": np.ones(1, np.float32)})
+    _expect_user_error(client.forward_backward([image], "cross_entropy"), "'image' is not supported")
+
+    _expect_user_error(client.optim_step(types.AdamParams(learning_rate=1e-3, eps=0.0)), "eps must be > 0")
 
     _expect_user_error(client.forward_backward([datum], "cross_entropy", loss_fn_config={"clip": 0.2}),
                        "loss_fn_config keys")

@@ -12,7 +12,7 @@ from tinker import types
 
 from compat_server.services import Services
 from shims.errors import UserError
-from shims.training_wire import decode_forward_backward
+from shims.training_wire import RejectedRequest, decode_forward_backward
 
 API = "/api/v1"
 
@@ -44,7 +44,11 @@ async def forward_backward(request: Request, owner: NamedDependency[str], servic
             body = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
         except zstandard.ZstdError as exc:
             raise UserError(f"invalid zstd body: {exc}") from None
-    batch = decode_forward_backward(body)
+    try:
+        batch = decode_forward_backward(body)
+    except RejectedRequest as exc:
+        kind = "forward" if exc.forward_only else "forward_backward"
+        return services.training.reject(owner, kind, exc.model_id, exc.seq_id, str(exc), _idempotency_key(request))
     return services.training.forward_backward(owner, batch, _idempotency_key(request))
 
 
@@ -78,5 +82,14 @@ async def unload_model(request: Request, owner: NamedDependency[str], services: 
     return services.training.unload_model(owner, data.model_id, _idempotency_key(request))
 
 
-TRAINING_ROUTES = [create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
+@post(f"{API}/save_weights_external", status_code=200)
+async def save_weights_external(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
+                                data: Annotated[types.SaveWeightsExternalRequest, Body()]) -> dict:
+    """Not offered (weights stay on this server); refused in the model's turn so its queue keeps moving."""
+    return services.training.reject(owner, "save_weights_external", data.model_id, data.seq_id,
+                                    "save_weights_external is not supported by this server; use save_state",
+                                    _idempotency_key(request))
+
+
+TRAINING_ROUTES = [save_weights_external, create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
                    load_weights, unload_model]
