@@ -7,13 +7,10 @@ wake up long-polling ``retrieve_future`` calls.
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from dataclasses import dataclass
 
 from compat_server.records import Records
-
-log = logging.getLogger("compat_server.futures")
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
@@ -33,9 +30,6 @@ class FutureHub:
     def __init__(self, records: Records) -> None:
         self.records = records
         self._events: dict[str, asyncio.Event] = {}
-        abandoned = records.fail_pending_futures("the server restarted before this request finished; resubmit it")
-        if abandoned:
-            log.warning("%d requests were in flight when the server last stopped; they are marked failed", abandoned)
 
     def create(self, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
                idempotency_key: str | None) -> tuple[str, bool]:

@@ -6,7 +6,7 @@ Every record carries ``owner``: a hash of the API key that created it (never the
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -100,14 +100,18 @@ class Records:
     def set_model_lora(self, model_id: str, lora: dict[str, Any]) -> None:
         self.db["models"].update(model_id, {"lora_rank": lora["rank"], "lora_config": json.dumps(lora)})
 
-    def unload_all_models(self) -> int:
-        """At start-up: trainers start empty, so models active in a previous process must be reloaded from a
-        checkpoint (create_training_client_from_state)."""
-        active = self.db["models"].count_where("status = 'active'")
-        if active:
+    def recover_after_restart(self) -> tuple[int, int]:
+        """At start-up nothing runs yet and the trainers are empty: every pending future was abandoned by a previous
+        process (it fails as a server error), and every active model must be reloaded from a checkpoint
+        (create_training_client_from_state). Returns (futures failed, models unloaded)."""
+        futures = self.db["futures"].count_where("state = 'pending'")
+        models = self.db["models"].count_where("status = 'active'")
+        with self.db.conn:
+            self.db.execute("UPDATE futures SET state = 'failed', category = 'server', error = ?, finished = ? "
+                            "WHERE state = 'pending'",
+                            ["the server restarted before this request finished; resubmit it", now()])
             self.db.execute("UPDATE models SET status = 'unloaded (server restarted)' WHERE status = 'active'")
-            self.db.conn.commit()
-        return active
+        return futures, models
 
     # ---- futures --------------------------------------------------------------------------------------------------
     def create_future(self, request_id: str, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
@@ -128,15 +132,6 @@ class Records:
     def fail_future(self, request_id: str, *, error: str, category: str) -> None:
         self.db["futures"].update(request_id, {"state": "failed", "finished": now(), "error": error,
                                                "category": category})
-
-    def fail_pending_futures(self, error: str) -> int:
-        """At start-up: nothing is running yet, so every pending future was abandoned by a previous process."""
-        pending = self.db["futures"].count_where("state = 'pending'")
-        if pending:
-            self.db.execute("UPDATE futures SET state = 'failed', category = 'server', error = ?, finished = ? "
-                            "WHERE state = 'pending'", [error, now()])
-            self.db.conn.commit()
-        return pending
 
     def future(self, request_id: str, owner: str) -> dict | None:
         return self._owned("futures", request_id, owner)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from compat_server.futures import FutureHub
 from compat_server.records import Records
 from compat_server.scheduler import Scheduler
 from compat_server.training import TrainingService
+
+log = logging.getLogger("compat_server")
 
 
 @dataclass
@@ -56,7 +59,10 @@ async def start_services(config: ServerConfig) -> Services:
     """Open the records, start Ray and the trainers; returns when every base model is loaded."""
     base_models = {name: resolve_base_model(name) for name in config.base_models}
     records = Records(config.records_path)
-    records.unload_all_models()
+    failed, unloaded = records.recover_after_restart()
+    if failed or unloaded:
+        log.warning("the previous server process stopped with %d requests in flight (now failed) and %d models "
+                    "loaded (reload them from a checkpoint)", failed, unloaded)
     _start_ray(config)
     gpus = config.trainer_gpus
     if gpus is None:

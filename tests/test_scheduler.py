@@ -103,8 +103,7 @@ def test_futures_left_pending_by_a_previous_process_fail_as_server_errors(tmp_pa
     records.create_future("req-1", owner="o", model_id="m", seq_id=1, kind="k", idempotency_key=None)
     records.create_model("m", session_id="s", owner="o", base_model="b", lora={"rank": 4}, user_metadata=None)
     restarted = Records(tmp_path / "r.sqlite3")
-    assert restarted.unload_all_models() == 1
-    FutureHub(restarted)
+    assert restarted.recover_after_restart() == (1, 1)
     row = restarted.future("req-1", "o")
     assert (row["state"], row["category"]) == ("failed", "server") and "restarted" in row["error"]
     assert restarted.model("m", "o")["status"].startswith("unloaded")
