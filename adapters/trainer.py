@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,9 +34,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 
-warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-warnings.filterwarnings("ignore", message=".*save_embedding_layers.*")
-warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
 
 
 @dataclass(frozen=True)
@@ -171,6 +168,10 @@ class MultiLoRATrainer:
             raise UserError(f"model {model_id} is not loaded on the trainer")
         return adapter
 
+    def _model(self) -> torch.nn.Module:
+        """The transformers model, with LoRA layers in it once any adapter exists."""
+        return self.peft.base_model.model if self.peft is not None else self.base
+
     def _activate(self, adapter: _Adapter) -> None:
         self.peft.base_model.set_adapter(adapter.name)
         for p in adapter.params:  # set_adapter toggles requires_grad; keep ours trainable
@@ -190,7 +191,7 @@ class MultiLoRATrainer:
         self.peft.train()
         with torch.set_grad_enabled(not forward_only):
             hidden = self._hidden_states(data)
-            lm_head = self.peft.base_model.model.get_output_embeddings()
+            lm_head = self._model().get_output_embeddings()
             total = torch.zeros((), device=self.device)
             outputs = []
             for i, d in enumerate(data):
@@ -220,8 +221,26 @@ class MultiLoRATrainer:
         for i, d in enumerate(data):
             ids[i, : d.tokens.size] = torch.tensor(d.tokens)
             mask[i, : d.tokens.size] = 1
-        decoder = self.peft.base_model.model.get_decoder()
-        return decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        return self._model().get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+
+    def score(self, directory: str | None, tokens: list[int]) -> list[float]:
+        """Logprobs of ``tokens[1:]`` under the base model plus the adapter saved in ``directory`` (None: the base
+        model alone), computed exactly as ``forward`` computes them. Samplers' reported logprobs are checked against
+        this to measure rollout-vs-train drift; the adapters being trained are not touched."""
+        probe = "#logprob-probe"
+        if directory is not None:
+            self.load_state(probe, directory, with_optimizer=False)
+            self._activate(self.adapters[probe])
+        base_only = self.peft.disable_adapter() if directory is None and self.peft is not None else nullcontext()
+        try:
+            with torch.no_grad(), base_only:
+                hidden = self._hidden_states([DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64))])
+                logprobs = torch.log_softmax(self._model().get_output_embeddings()(hidden[0]).float(), dim=-1)
+                targets = torch.tensor(tokens[1:], device=self.device).unsqueeze(1)
+                return logprobs.gather(1, targets).squeeze(1).cpu().tolist()
+        finally:
+            if directory is not None:
+                self.unload(probe)
 
     def optim_step(self, model_id: str, hyper: AdamHyper) -> dict[str, float]:
         """Apply the accumulated gradient with AdamW (decoupled weight decay), then clear it."""

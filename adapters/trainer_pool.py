@@ -7,17 +7,12 @@ import logging
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
+from adapters.actors import call_actor
 from adapters.base_models import BaseModelSpec
 from adapters.trainer import ModelFacts, MultiLoRATrainer
-from shims.errors import UserError
 
 log = logging.getLogger("compat_server.trainer")
-
-
-class TrainerUnavailable(RuntimeError):
-    """The trainer actor died or could not be reached; the request failed on the server's side."""
 
 
 @dataclass(frozen=True)
@@ -55,16 +50,7 @@ class TrainerPool:
 
     async def call(self, base_model: str, method: str, *args, **kwargs):
         """Run ``method`` on the base model's trainer; a ``UserError`` raised there is re-raised here as itself."""
-        actor = self.actors[base_model]
-        try:
-            return await getattr(actor, method).remote(*args, **kwargs)
-        except RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if isinstance(cause, UserError):
-                raise UserError(str(cause)) from None
-            raise TrainerUnavailable(f"trainer for {base_model} failed in {method}: {cause}") from None
-        except RayActorError as exc:
-            raise TrainerUnavailable(f"trainer for {base_model} is not available: {exc}") from None
+        return await call_actor(self.actors[base_model], method, f"trainer for {base_model}", *args, **kwargs)
 
     def stop(self) -> None:
         for actor in self.actors.values():

@@ -48,7 +48,7 @@ def create_app(config: ServerConfig) -> Litestar:
     async def shutdown(app: Litestar) -> None:
         services: Services | None = getattr(app.state, "services", None)
         if services is not None:
-            services.trainers.stop()
+            services.stop()
         if ray.is_initialized() and not os.environ.get("COMPAT_SERVER_KEEP_RAY"):
             ray.shutdown()
 

@@ -35,9 +35,41 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--trainer-cpus", type=float, default=d.trainer_cpus,
                         help="Ray CPUs reserved by each trainer actor (default: %(default)s)")
     parser.add_argument("--trainer-gpus", type=float, default=None,
-                        help="Ray GPUs reserved by each trainer actor (default: 1 if the cluster has a GPU, else 0)")
+                        help="Ray GPUs reserved by each trainer actor (default: 1 when the cluster has a GPU for each "
+                             "trainer and sampler, half of one GPU on a single-GPU machine, else 0)")
     parser.add_argument("--trainer-threads", type=int, default=None,
                         help="torch threads in each trainer on CPU (default: torch's choice)")
+    parser.add_argument("--samplers", type=int, default=d.samplers,
+                        help="sampler replicas per base model, each a Ray actor holding the model (default: %(default)s)")
+    parser.add_argument("--sampler-backend", default=d.sampler_backend, choices=["auto", "transformers", "vllm"],
+                        help="auto: vLLM where the samplers get a GPU and the [gpu] extra is installed, else "
+                             "transformers (default: %(default)s)")
+    parser.add_argument("--sampler-cpus", type=float, default=d.sampler_cpus,
+                        help="Ray CPUs reserved by each sampler replica (default: %(default)s)")
+    parser.add_argument("--sampler-gpus", type=float, default=None,
+                        help="Ray GPUs reserved by each sampler replica (default: 1 each when the cluster has enough "
+                             "GPUs, a share of one GPU on a single-GPU machine, else 0)")
+    parser.add_argument("--sampler-threads", type=int, default=None,
+                        help="torch threads in each transformers sampler on CPU (default: torch's choice)")
+    parser.add_argument("--sampler-batch", type=int, default=d.sampler_batch,
+                        help="most sequences a transformers sampler decodes in one batch (default: %(default)s)")
+    parser.add_argument("--max-resident-adapters", type=int, default=d.max_resident_adapters,
+                        help="LoRA adapters each sampler keeps loaded; the least recently used is evicted and "
+                             "reloaded when asked for again (default: %(default)s)")
+    parser.add_argument("--vllm-max-lora-rank", type=int, default=d.vllm_max_lora_rank,
+                        help="largest LoRA rank the vLLM sampler accepts (default: %(default)s)")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=None,
+                        help="fraction of its GPU the vLLM engine may use (default: 0.85 × its GPU share)")
+    parser.add_argument("--max-num-samples", type=int, default=d.max_num_samples,
+                        help="largest num_samples one sample request may ask for (default: %(default)s)")
+    parser.add_argument("--max-logprobs-k", type=int, default=d.max_logprobs_k,
+                        help="largest top-k of prompt / sample logprobs and prompt_alt_tokens_k (default: %(default)s)")
+    parser.add_argument("--drift-probe-every", type=int, default=d.drift_probe_every,
+                        help="re-score one sampled sequence with the trainer every N sample requests per base model "
+                             "and report the logprob gap in /api/v1/metrics; 0 turns it off (default: %(default)s)")
+    parser.add_argument("--ephemeral-keep", type=int, default=d.ephemeral_keep,
+                        help="unnamed sampler saves (save_weights_and_get_sampling_client) kept per training model "
+                             "(default: %(default)s)")
     parser.add_argument("--poll-hold-seconds", type=float, default=d.poll_hold_seconds,
                         help="how long retrieve_future waits for a result before answering try_again "
                              "(default: %(default)s)")
@@ -71,7 +103,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, base_models=args.base_models or [TINY_MODEL_NAME],
         data_dir=args.data_dir.expanduser().resolve(), ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
         ray_object_store_mb=args.ray_object_store_mb, trainer_cpus=args.trainer_cpus, trainer_gpus=args.trainer_gpus,
-        trainer_threads=args.trainer_threads, poll_hold_seconds=args.poll_hold_seconds,
+        trainer_threads=args.trainer_threads, samplers=args.samplers, sampler_backend=args.sampler_backend,
+        sampler_cpus=args.sampler_cpus, sampler_gpus=args.sampler_gpus, sampler_threads=args.sampler_threads,
+        sampler_batch=args.sampler_batch, max_resident_adapters=args.max_resident_adapters,
+        vllm_max_lora_rank=args.vllm_max_lora_rank, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k,
+        drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
+        poll_hold_seconds=args.poll_hold_seconds,
         seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
         log_level=args.log_level,
     )

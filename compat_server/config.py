@@ -26,6 +26,19 @@ class ServerConfig:
     trainer_cpus: float = 1.0
     trainer_gpus: float | None = None
     trainer_threads: int | None = None
+    samplers: int = 1
+    sampler_backend: str = "auto"
+    sampler_cpus: float = 1.0
+    sampler_gpus: float | None = None
+    sampler_threads: int | None = None
+    sampler_batch: int = 32
+    max_resident_adapters: int = 8
+    vllm_max_lora_rank: int = 64
+    vllm_gpu_memory_utilization: float | None = None
+    max_num_samples: int = 128
+    max_logprobs_k: int = 64
+    drift_probe_every: int = 50
+    ephemeral_keep: int = 8
     poll_hold_seconds: float = 5.0
     seq_gap_timeout: float = 120.0
     max_body_mb: int = 64
@@ -39,3 +52,8 @@ class ServerConfig:
     @property
     def checkpoint_dir(self) -> Path:
         return self.data_dir / "checkpoints"
+
+    @property
+    def ephemeral_dir(self) -> Path:
+        """Unnamed sampler saves (save_weights_and_get_sampling_client); emptied at every start."""
+        return self.data_dir / "ephemeral"

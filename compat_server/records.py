@@ -54,6 +54,10 @@ class Records:
             "base_model": str, "size_bytes": int, "created": str, "expires_at": str, "public": int,
             "user_metadata": str,
         }, pk="tinker_path", if_not_exists=True)
+        db["samplers"].create({
+            "id": str, "session_id": str, "owner": str, "base_model": str, "kind": str, "model_path": str,
+            "model_id": str, "adapter_key": str, "adapter_dir": str, "created": str,
+        }, pk="id", if_not_exists=True)
         db["telemetry"].create({"id": int, "owner": str, "session_id": str, "events": int, "received": str},
                                pk="id", if_not_exists=True)
         db["futures"].create_index(["owner", "idempotency_key"], if_not_exists=True)
@@ -153,6 +157,21 @@ class Records:
         except NotFoundError:
             return None
         return row if row["owner"] == owner or row["public"] else None
+
+    # ---- sampling sessions ----------------------------------------------------------------------------------------
+    def create_sampler(self, sampler_id: str, *, session_id: str, owner: str, base_model: str, kind: str,
+                       model_path: str | None = None, model_id: str | None = None, adapter_key: str | None = None,
+                       adapter_dir: str | None = None) -> None:
+        """``kind`` is ``base``, ``checkpoint`` (a saved sampler checkpoint), ``snapshot`` (ephemeral weights saved
+        by save_weights_and_get_sampling_client) or ``inflight`` (the training model's shared, mutable weights)."""
+        self.db["samplers"].insert({
+            "id": sampler_id, "session_id": session_id, "owner": owner, "base_model": base_model, "kind": kind,
+            "model_path": model_path, "model_id": model_id, "adapter_key": adapter_key, "adapter_dir": adapter_dir,
+            "created": now(),
+        })
+
+    def sampler(self, sampler_id: str, owner: str) -> dict | None:
+        return self._owned("samplers", sampler_id, owner)
 
     # ---- helpers --------------------------------------------------------------------------------------------------
     def _owned(self, table: str, pk: str, owner: str) -> dict | None:

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import os
 import signal
 from dataclasses import dataclass
 
 import ray
 
 from adapters.base_models import BaseModelSpec, resolve_base_model
+from adapters.sampler import choose_backend
+from adapters.sampler_pool import SamplerPlacement, SamplerPool
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
 from compat_server.checkpoints import CheckpointStore
 from compat_server.config import ServerConfig
 from compat_server.futures import FutureHub
 from compat_server.records import Records
+from compat_server.sampling import SamplingOptions, SamplingService
 from compat_server.scheduler import Scheduler
 from compat_server.training import TrainingService
 
@@ -28,9 +34,15 @@ class Services:
     records: Records
     hub: FutureHub
     trainers: TrainerPool
+    samplers: SamplerPool
     scheduler: Scheduler
     training: TrainingService
+    sampling: SamplingService
     base_models: dict[str, BaseModelSpec]
+
+    def stop(self) -> None:
+        self.samplers.stop()
+        self.trainers.stop()
 
 
 def _start_ray(config: ServerConfig) -> None:
@@ -51,12 +63,15 @@ def _init_ray(config: ServerConfig) -> None:
     if config.ray_address:
         ray.init(address=config.ray_address, log_to_driver=True, configure_logging=False)
     else:
-        ray.init(num_cpus=config.ray_num_cpus, object_store_memory=config.ray_object_store_mb * 1024 * 1024,
-                 include_dashboard=False, log_to_driver=True, configure_logging=False)
+        # Ray CPUs are logical: ask for at least what the configured actors reserve, or they could never be placed.
+        per_model = config.trainer_cpus + config.samplers * config.sampler_cpus
+        needed = math.ceil(per_model * len(config.base_models))
+        ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, needed),
+                 object_store_memory=config.ray_object_store_mb * 1024 * 1024, include_dashboard=False, log_to_driver=True, configure_logging=False)
 
 
 async def start_services(config: ServerConfig) -> Services:
-    """Open the records, start Ray and the trainers; returns when every base model is loaded."""
+    """Open the records, start Ray, the trainers and the samplers; returns when every base model is loaded."""
     base_models = {name: resolve_base_model(name) for name in config.base_models}
     records = Records(config.records_path)
     failed, unloaded = records.recover_after_restart()
@@ -64,14 +79,40 @@ async def start_services(config: ServerConfig) -> Services:
         log.warning("the previous server process stopped with %d requests in flight (now failed) and %d models "
                     "loaded (reload them from a checkpoint)", failed, unloaded)
     _start_ray(config)
-    gpus = config.trainer_gpus
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    trainer_gpus, sampler_gpus = _gpu_shares(config, len(base_models))
     trainers = TrainerPool(list(base_models.values()), TrainerPlacement(
-        num_cpus=config.trainer_cpus, num_gpus=gpus, threads=config.trainer_threads))
-    await trainers.start()
+        num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads))
+    backend = choose_backend(config.sampler_backend, sampler_gpus > 0)
+    samplers = SamplerPool(list(base_models.values()), SamplerPlacement(
+        count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,
+        threads=config.sampler_threads, max_batch_sequences=config.sampler_batch,
+        max_resident=config.max_resident_adapters, vllm_max_lora_rank=config.vllm_max_lora_rank,
+        vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization or round(0.85 * min(sampler_gpus, 1.0), 2)))
+    await asyncio.gather(trainers.start(), samplers.start())
     hub = FutureHub(records)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
-    training = TrainingService(records, scheduler, CheckpointStore(config.checkpoint_dir), base_models)
-    return Services(config=config, records=records, hub=hub, trainers=trainers, scheduler=scheduler,
-                    training=training, base_models=base_models)
+    checkpoints = CheckpointStore(config.checkpoint_dir)
+    sampling = SamplingService(records, scheduler, samplers, checkpoints, config.ephemeral_dir, base_models,
+                               SamplingOptions(max_num_samples=config.max_num_samples,
+                                               max_logprobs_k=config.max_logprobs_k,
+                                               drift_probe_every=config.drift_probe_every,
+                                               ephemeral_keep=config.ephemeral_keep))
+    training = TrainingService(records, scheduler, checkpoints, base_models, sampling)
+    return Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
+                    scheduler=scheduler, training=training, sampling=sampling, base_models=base_models)
+
+
+def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:
+    """Ray GPUs for each trainer and each sampler replica. Unset, they follow the cluster: none without GPUs; a whole
+    GPU each when there are enough; on a single GPU the trainers take half and the samplers share the other half."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    replicas = config.samplers * num_models
+    if gpus >= num_models + replicas:
+        default_trainer, default_sampler = 1.0, 1.0
+    elif gpus >= 1:
+        default_trainer, default_sampler = 0.5 / num_models, 0.5 / replicas
+    else:
+        default_trainer, default_sampler = 0.0, 0.0
+    trainer = config.trainer_gpus if config.trainer_gpus is not None else default_trainer
+    sampler = config.sampler_gpus if config.sampler_gpus is not None else default_sampler
+    return trainer, sampler

@@ -18,6 +18,7 @@ from adapters.trainer import AdamHyper, LoraSpec, StepResult, read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.futures import JSON, PROTOBUF, Payload
 from compat_server.records import Records
+from compat_server.sampling import SamplingService
 from compat_server.scheduler import Scheduler
 from shims.errors import UserError
 from shims.training_wire import ForwardBackwardBatch, encode_forward_backward_output
@@ -38,8 +39,9 @@ class TrainingService:
     """Tinker training calls for one server: create, train, save, load and unload LoRA models."""
 
     def __init__(self, records: Records, scheduler: Scheduler, checkpoints: CheckpointStore,
-                 base_models: dict[str, BaseModelSpec]) -> None:
+                 base_models: dict[str, BaseModelSpec], sampling: SamplingService) -> None:
         self.records = records
+        self.sampling = sampling
         self.scheduler = scheduler
         self.checkpoints = checkpoints
         self.base_models = base_models
@@ -193,13 +195,26 @@ class TrainingService:
     def save_weights_for_sampler(self, owner: str, req: types.SaveWeightsForSamplerRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
             if req.path is None:
-                raise UserError("save_weights_for_sampler without a name (ephemeral sampler weights) needs "
-                                "sampling support, which this server does not have yet")
+                return await self._save_unnamed_for_sampler(owner, row, req)
             path = await self._save(owner, row, "sampler", req.path, "save_for_sampler", False, req.ttl_seconds,
                                     req.user_metadata)
             return json_payload(types.SaveWeightsForSamplerResponse(path=path, type="save_weights_for_sampler"))
 
         return self._ordered(owner, "save_weights_for_sampler", req.model_id, req.seq_id, idem, job)
+
+    async def _save_unnamed_for_sampler(self, owner: str, row: dict, req: types.SaveWeightsForSamplerRequest) -> Payload:
+        """``save_weights_and_get_sampling_client``: weights saved outside the checkpoint listing, and a sampling
+        session over them that can sample at once."""
+        directory = self.sampling.ephemeral_directory(row["id"])
+        staging = directory.with_name(f".staging-{directory.name}")
+        try:
+            await self.scheduler.trainer(row["base_model"], "save_for_sampler", row["id"], str(staging))
+            staging.rename(directory)
+        finally:
+            self.checkpoints.discard(staging)
+        sampler_id = self.sampling.register_ephemeral(owner, row, req.sampling_session_seq_id, req.kind, directory)
+        return json_payload(types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id,
+                                                                        type="save_weights_for_sampler"))
 
     def load_weights(self, owner: str, req: types.LoadWeightsRequest, idem: str | None) -> dict:
         """Load a checkpoint into an existing model (``load_state``) or into a new one (``create_training_client_

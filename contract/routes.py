@@ -42,6 +42,9 @@ TINKER_ROUTES: list[Route] = [
           "SaveWeightsExternalResponseInternal"),
     Route("POST", "/api/v1/load_weights", "LoadWeightsRequest", FUTURE, "LoadWeightsResponse"),
     Route("POST", "/api/v1/unload_model", "UnloadModelRequest", FUTURE, "UnloadModelResponse"),
+    Route("POST", "/api/v1/create_sampling_session", "CreateSamplingSessionRequest", "CreateSamplingSessionResponse"),
+    Route("GET", "/api/v1/samplers/{sampler_id}", None, "GetSamplerResponse"),
+    Route("POST", "/api/v1/asample", "SampleRequest", FUTURE, "protobuf:SampleResponse"),
     Route("POST", "/api/v1/retrieve_future", "FutureRetrieveRequest", None),
 ]
 

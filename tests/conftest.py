@@ -35,7 +35,8 @@ def tiny_model_dir(model_cache) -> Path:
 def server(model_cache, tmp_path_factory):
     from tests.server import start_server
 
-    running = start_server(tmp_path_factory.mktemp("server-data"))
+    # Every other sample request is re-scored by the trainer, so the drift metric is exercised by the tests.
+    running = start_server(tmp_path_factory.mktemp("server-data"), "--drift-probe-every", "2")
     yield running
     running.stop()
 

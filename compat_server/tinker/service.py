@@ -82,7 +82,7 @@ async def healthz() -> types.HealthResponse:
 async def get_server_capabilities(owner: NamedDependency[str], services: NamedDependency[Services]) -> types.GetServerCapabilitiesResponse:
     return types.GetServerCapabilitiesResponse(supported_models=[
         types.SupportedModel(model_name=name, max_context_length=services.trainers.facts[name].max_context,
-                             trainable=True, sampleable=False)
+                             trainable=True, sampleable=True)
         for name in services.base_models
     ])
 

@@ -17,7 +17,7 @@ from shims.training_wire import RejectedRequest, decode_forward_backward
 API = "/api/v1"
 
 
-def _idempotency_key(request: Request) -> str | None:
+def idempotency_key(request: Request) -> str | None:
     """The SDK reuses one ``X-Idempotency-Key`` across retries of a submit; a retry must not run twice."""
     return request.headers.get("x-idempotency-key")
 
@@ -25,7 +25,7 @@ def _idempotency_key(request: Request) -> str | None:
 @post(f"{API}/create_model", status_code=200)
 async def create_model(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.CreateModelRequest, Body()]) -> dict:
-    return services.training.create_model(owner, data, _idempotency_key(request))
+    return services.training.create_model(owner, data, idempotency_key(request))
 
 
 @post(f"{API}/get_info", status_code=200)
@@ -48,38 +48,38 @@ async def forward_backward(request: Request, owner: NamedDependency[str], servic
         batch = decode_forward_backward(body)
     except RejectedRequest as exc:
         kind = "forward" if exc.forward_only else "forward_backward"
-        return services.training.reject(owner, kind, exc.model_id, exc.seq_id, str(exc), _idempotency_key(request))
-    return services.training.forward_backward(owner, batch, _idempotency_key(request))
+        return services.training.reject(owner, kind, exc.model_id, exc.seq_id, str(exc), idempotency_key(request))
+    return services.training.forward_backward(owner, batch, idempotency_key(request))
 
 
 @post(f"{API}/optim_step", status_code=200)
 async def optim_step(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                      data: Annotated[types.OptimStepRequest, Body()]) -> dict:
-    return services.training.optim_step(owner, data, _idempotency_key(request))
+    return services.training.optim_step(owner, data, idempotency_key(request))
 
 
 @post(f"{API}/save_weights", status_code=200)
 async def save_weights(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.SaveWeightsRequest, Body()]) -> dict:
-    return services.training.save_weights(owner, data, _idempotency_key(request))
+    return services.training.save_weights(owner, data, idempotency_key(request))
 
 
 @post(f"{API}/save_weights_for_sampler", status_code=200)
 async def save_weights_for_sampler(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                                    data: Annotated[types.SaveWeightsForSamplerRequest, Body()]) -> dict:
-    return services.training.save_weights_for_sampler(owner, data, _idempotency_key(request))
+    return services.training.save_weights_for_sampler(owner, data, idempotency_key(request))
 
 
 @post(f"{API}/load_weights", status_code=200)
 async def load_weights(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.LoadWeightsRequest, Body()]) -> dict:
-    return services.training.load_weights(owner, data, _idempotency_key(request))
+    return services.training.load_weights(owner, data, idempotency_key(request))
 
 
 @post(f"{API}/unload_model", status_code=200)
 async def unload_model(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                        data: Annotated[types.UnloadModelRequest, Body()]) -> dict:
-    return services.training.unload_model(owner, data.model_id, _idempotency_key(request))
+    return services.training.unload_model(owner, data.model_id, idempotency_key(request))
 
 
 @post(f"{API}/save_weights_external", status_code=200)
@@ -88,8 +88,8 @@ async def save_weights_external(request: Request, owner: NamedDependency[str], s
     """Not offered (weights stay on this server); refused in the model's turn so its queue keeps moving."""
     return services.training.reject(owner, "save_weights_external", data.model_id, data.seq_id,
                                     "save_weights_external is not supported by this server; use save_state",
-                                    _idempotency_key(request))
+                                    idempotency_key(request))
 
 
-TRAINING_ROUTES = [save_weights_external, create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
-                   load_weights, unload_model]
+TRAINING_ROUTES = [create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
+                   save_weights_external, load_weights, unload_model]

@@ -1,0 +1,257 @@
+"""The transformers sampler: the CPU default (and GPU fallback) behind the sampler interface.
+
+Concurrent requests are not run one by one: every request that is waiting when the model becomes free joins one
+batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter (PEFT's mixed-adapter forward),
+its own sampling parameters and its own random generator. The batch is prefilled together, left-padded, and decoded
+step by step with a shared KV cache; rows that finish leave the cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from adapters.sampler import AdapterRef, ResidentAdapters, SamplerFacts
+from shims.errors import UserError
+from shims.sampling_math import StopMatcher, choose_token, score_prompt, sequence_generators, top_k
+from shims.sampling_wire import SampleJob, SampleResult, SequenceResult
+
+log = logging.getLogger("compat_server.sampler")
+
+BASE = "__base__"
+"""PEFT's name for "no adapter" in a mixed-adapter batch."""
+
+
+@dataclass
+class _Request:
+    adapter: AdapterRef | None
+    job: SampleJob
+    future: asyncio.Future
+
+
+@dataclass
+class _Row:
+    request: int
+    adapter_name: str
+    generator: torch.Generator
+    matcher: StopMatcher
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk: list[tuple] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+class TransformersSampler:
+    """One base model in transformers, sampled with any number of PEFT adapters."""
+
+    def __init__(self, location: str, max_batch_sequences: int = 32, max_resident: int = 8,
+                 threads: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.location = location
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(location)
+        self.base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device).eval()
+        config = self.base.config
+        eos = self.base.generation_config.eos_token_id if self.base.generation_config else None
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._facts = SamplerFacts(
+            backend="transformers", vocab_size=int(config.vocab_size),
+            max_context=int(getattr(config, "max_position_embeddings", 2048)), device=str(self.device),
+            max_resident=max_resident)
+        self.max_batch_sequences = max_batch_sequences
+        self.adapters = ResidentAdapters(max_resident)
+        self.peft = None
+        self._pending: list[_Request] = []
+        self._wake: asyncio.Event | None = None
+        self._server: asyncio.Task | None = None
+        self.batches = 0
+
+    def facts(self) -> SamplerFacts:
+        return self._facts
+
+    def resident(self) -> list[str]:
+        return self.adapters.keys()
+
+    def stats(self) -> dict:
+        return {"batches": self.batches, "resident_adapters": self.resident()}
+
+    async def close(self) -> None:
+        """Stop the batching loop (requests still waiting fail as cancelled)."""
+        if self._server is not None:
+            self._server.cancel()
+            await asyncio.gather(self._server, return_exceptions=True)
+
+    # ---- request intake -------------------------------------------------------------------------------------------
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+        if self._server is None or self._server.done():  # first call, or the previous event loop has ended
+            self._wake = asyncio.Event()
+            self._server = asyncio.get_running_loop().create_task(self._serve())
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(adapter, job, future))
+        self._wake.set()
+        return await future
+
+    async def _serve(self) -> None:
+        """Form a batch from whatever is waiting, run it in a worker thread, repeat. Requests arriving meanwhile
+        wait for the next batch."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch = self._take_batch()
+                try:
+                    results = await asyncio.to_thread(self._run_batch, [(r.adapter, r.job) for r in batch])
+                except Exception as exc:  # noqa: BLE001 - every waiting caller must hear about the failure
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+                for r, result in zip(batch, results):
+                    if not r.future.done():
+                        r.future.set_result(result)
+
+    def _take_batch(self) -> list[_Request]:
+        """Oldest first, up to ``max_batch_sequences`` rows and at most as many distinct adapters as may be
+        resident; the first request always goes, whatever its size."""
+        batch, rows, keys = [], 0, set()
+        for request in list(self._pending):
+            key = request.adapter.key if request.adapter else None
+            new_keys = keys | ({key} if key else set())
+            if batch and (rows + request.job.num_samples > self.max_batch_sequences
+                          or len(new_keys) > self.adapters.capacity):
+                break
+            batch.append(request)
+            rows += request.job.num_samples
+            keys = new_keys
+            self._pending.remove(request)
+        return batch
+
+    # ---- adapters -------------------------------------------------------------------------------------------------
+    def _acquire(self, ref: AdapterRef) -> str:
+        """Make ``ref`` resident (loading it if needed, then evicting what the LRU says) and return its PEFT name."""
+        from peft import PeftModel
+
+        slot = self.adapters.acquire(ref)
+        name = f"slot_{slot.slot_id}"
+        if slot.load:
+            try:
+                if self.peft is None:
+                    self.peft = PeftModel.from_pretrained(self.base, ref.directory, adapter_name=name).eval()
+                else:
+                    self.peft.load_adapter(ref.directory, adapter_name=name)
+                    self.peft.eval()
+            except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
+                self.adapters.forget(ref.key)
+                raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None
+            log.info("adapter loaded into sampler: %s (%s)", ref.key, name)
+        for evicted in slot.evicted:
+            self.peft.delete_adapter(f"slot_{evicted}")
+            log.info("adapter evicted from sampler: slot_%d", evicted)
+        self.peft.set_adapter(name)  # some adapter must stay active; mixed batches name their own per row
+        return name
+
+    # ---- generation -----------------------------------------------------------------------------------------------
+    def _run_batch(self, requests: list[tuple[AdapterRef | None, SampleJob]]) -> list[SampleResult]:
+        names, acquired = [], []
+        try:
+            for ref, _ in requests:
+                if ref is None:
+                    names.append(BASE)
+                else:
+                    names.append(self._acquire(ref))
+                    acquired.append(ref.key)
+            with torch.inference_mode():
+                results = self._generate(requests, names)
+        finally:
+            for key in acquired:
+                self.adapters.release(key)
+        self.batches += 1
+        return results
+
+    def _forward(self, adapter_names: list[str], **kwargs):
+        if self.peft is None:
+            return self.base(**kwargs)
+        return self.peft(adapter_names=adapter_names, **kwargs)
+
+    def _generate(self, requests: list[tuple[AdapterRef | None, SampleJob]], names: list[str]) -> list[SampleResult]:
+        rows: list[_Row] = []
+        for index, ((_, job), name) in enumerate(zip(requests, names)):
+            for generator in sequence_generators(job, secrets.randbits(62)):
+                rows.append(_Row(index, name, generator, StopMatcher(job, self.eos_ids, self.tokenizer.decode)))
+        jobs = [job for _, job in requests]
+        longest = max(len(jobs[r.request].prompt) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            prompt = jobs[row.request].prompt
+            ids[i, longest - len(prompt):] = torch.tensor(prompt)
+            mask[i, longest - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_prompt = any(job.needs_prompt_scores for job in jobs)
+        out = self._forward([r.adapter_name for r in rows], input_ids=ids, attention_mask=mask, position_ids=positions,
+                            use_cache=True, logits_to_keep=0 if want_prompt else 1)
+        results = [SampleResult(sequences=[]) for _ in requests]
+        if want_prompt:
+            first_row = {}
+            for i, row in enumerate(rows):
+                first_row.setdefault(row.request, i)
+            for index, i in first_row.items():
+                job = jobs[index]
+                if job.needs_prompt_scores:
+                    n = len(job.prompt)
+                    logprobs = torch.log_softmax(out.logits[i, longest - n:longest - 1].float(), dim=-1)
+                    results[index].prompt = score_prompt(logprobs, job, rows[i].generator)
+        cache, last = out.past_key_values, out.logits[:, -1]
+        active = list(range(len(rows)))  # row numbers still generating, in cache order
+        next_pos = positions[:, -1] + 1
+        while True:
+            step_tokens = []
+            for slot, r in enumerate(active):
+                row, job = rows[r], jobs[rows[r].request]
+                logprobs = torch.log_softmax(last[slot].float(), dim=-1)
+                token = choose_token(last[slot], job, row.generator)
+                row.tokens.append(token)
+                row.logprobs.append(float(logprobs[token]))
+                if job.topk_sample_logprobs:
+                    row.topk.append(top_k(logprobs.unsqueeze(0), job.topk_sample_logprobs))
+                if row.matcher.done(row.tokens):
+                    row.stop_reason = "stop"
+                elif len(row.tokens) >= job.max_tokens:
+                    row.stop_reason = "length"
+                step_tokens.append(token)
+            keep = [slot for slot, r in enumerate(active) if rows[r].stop_reason is None]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, next_pos = mask[index], next_pos[index]
+                step_tokens = [step_tokens[s] for s in keep]
+                active = [active[s] for s in keep]
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            out = self._forward([rows[r].adapter_name for r in active],
+                                input_ids=torch.tensor(step_tokens, device=self.device).unsqueeze(1),
+                                attention_mask=mask, position_ids=next_pos.unsqueeze(1), past_key_values=cache,
+                                use_cache=True)
+            cache, last = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+        for row in rows:
+            seq = SequenceResult(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
+            if row.topk:
+                seq.topk_ids = np.concatenate([ids for ids, _ in row.topk])
+                seq.topk_logprobs = np.concatenate([lps for _, lps in row.topk])
+            results[row.request].sequences.append(seq)
+        return results

@@ -1,0 +1,130 @@
+"""The one small interface every sampler backend implements, and what crosses it.
+
+A backend holds one base model and serves sampling requests for it and for any LoRA adapter saved for sampling,
+loading adapters on demand from their checkpoint directory and keeping a bounded number resident. Backends:
+``adapters.hf_sampler.TransformersSampler`` (CPU default, GPU fallback) and ``adapters.vllm_sampler.VLLMSampler``
+(GPU, ``[gpu]`` extra). ``adapters.sampler_pool`` runs them as Ray actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from shims.sampling_wire import SampleJob, SampleResult
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which LoRA weights to sample from. ``key`` names the weights (a sampler checkpoint's tinker:// path, or an
+    ephemeral save's id); ``version`` grows when the weights behind a key change (``inflight`` sampling clients share
+    one mutable key), and a resident adapter with an older version is reloaded."""
+
+    key: str
+    directory: str
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class SamplerFacts:
+    backend: str
+    vocab_size: int
+    max_context: int
+    device: str
+    max_resident: int
+
+
+class SamplerBackend(Protocol):
+    def facts(self) -> SamplerFacts: ...
+
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+        """Run one request (``job.num_samples`` sequences). Backends batch concurrent calls together."""
+        ...
+
+    def resident(self) -> list[str]:
+        """Keys of the adapters loaded now, least recently used first."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters for ``/api/v1/metrics``; always includes ``resident_adapters``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def choose_backend(requested: str, has_gpu: bool) -> str:
+    """``auto`` picks vLLM where a GPU and the ``[gpu]`` extra are present, and transformers everywhere else."""
+    if requested != "auto":
+        return requested
+    if has_gpu:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            return "transformers"
+        return "vllm"
+    return "transformers"
+
+
+@dataclass
+class _Slot:
+    slot_id: int
+    version: int
+    in_use: int = 0
+
+
+@dataclass(frozen=True)
+class Acquired:
+    slot_id: int
+    load: bool
+    """The weights must be (re)loaded into ``slot_id`` before use."""
+    evicted: tuple[int, ...]
+    """Slots to unload first, least recently used first."""
+
+
+class ResidentAdapters:
+    """Least-recently-used bookkeeping of the adapters a backend holds, at most ``capacity`` at once.
+
+    Every load gets a fresh slot id (an adapter name in PEFT, a ``lora_int_id`` in vLLM), so a reloaded adapter never
+    reuses the id of weights that changed. Adapters in use by a running batch are never evicted.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("an adapter capacity of at least 1 is needed")
+        self.capacity = capacity
+        self._slots: dict[str, _Slot] = {}  # insertion order = recency, least recent first
+        self._next_id = 1
+
+    def keys(self) -> list[str]:
+        return list(self._slots)
+
+    def acquire(self, ref: AdapterRef) -> Acquired:
+        """Mark ``ref`` in use (call ``release`` when done) and say what to load and unload for it."""
+        slot = self._slots.pop(ref.key, None)
+        evicted: list[int] = []
+        if slot is not None and slot.version >= ref.version:
+            slot.in_use += 1
+            self._slots[ref.key] = slot
+            return Acquired(slot.slot_id, False, ())
+        if slot is not None:  # stale weights: replaced, so the old slot goes (if nothing still uses it)
+            if slot.in_use:
+                raise RuntimeError(f"adapter {ref.key} changed while a batch still uses it")
+            evicted.append(slot.slot_id)
+        while len(self._slots) >= self.capacity:
+            victim = next((k for k, s in self._slots.items() if not s.in_use), None)
+            if victim is None:
+                raise RuntimeError(f"all {self.capacity} resident adapters are in use")
+            evicted.append(self._slots.pop(victim).slot_id)
+        new = _Slot(self._next_id, ref.version, in_use=1)
+        self._next_id += 1
+        self._slots[ref.key] = new
+        return Acquired(new.slot_id, True, tuple(evicted))
+
+    def release(self, key: str) -> None:
+        slot = self._slots.get(key)
+        if slot is not None and slot.in_use:
+            slot.in_use -= 1
+
+    def forget(self, key: str) -> None:
+        """Drop a slot whose load failed."""
+        self._slots.pop(key, None)

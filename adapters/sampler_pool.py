@@ -1,0 +1,140 @@
+"""Ray placement of the samplers: ``count`` replicas per base model, each an actor holding the model once.
+
+Routing prefers the replica that last served an adapter (it most likely still holds it, so nothing reloads), unless
+that replica is much busier than the least busy one; otherwise the least busy replica takes the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import ray
+
+from adapters.actors import call_actor
+from adapters.base_models import BaseModelSpec
+from adapters.sampler import AdapterRef, SamplerFacts
+from shims.sampling_wire import SampleJob, SampleResult
+
+log = logging.getLogger("compat_server.sampler")
+
+
+@dataclass(frozen=True)
+class SamplerPlacement:
+    """How many sampler replicas each base model gets, which backend, and the Ray resources each asks for."""
+
+    count: int = 1
+    backend: str = "transformers"
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    threads: int | None = None
+    max_batch_sequences: int = 32
+    max_resident: int = 8
+    vllm_max_lora_rank: int = 64
+    vllm_gpu_memory_utilization: float = 0.85
+    resources: dict[str, float] | None = None
+
+
+class SamplerActor:
+    """The Ray actor around one backend. Its ``sample`` is a coroutine, so Ray runs the actor asynchronously and
+    concurrent requests reach the backend together (which is what lets it batch them)."""
+
+    def __init__(self, location: str, placement: SamplerPlacement) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if placement.backend == "vllm":
+            from adapters.vllm_sampler import VLLMSampler
+
+            self.impl = VLLMSampler(location, max_resident=placement.max_resident,
+                                    max_lora_rank=placement.vllm_max_lora_rank,
+                                    gpu_memory_utilization=placement.vllm_gpu_memory_utilization)
+        else:
+            from adapters.hf_sampler import TransformersSampler
+
+            self.impl = TransformersSampler(location, max_batch_sequences=placement.max_batch_sequences,
+                                            max_resident=placement.max_resident, threads=placement.threads)
+
+    def facts(self) -> SamplerFacts:
+        return self.impl.facts()
+
+    def stats(self) -> dict:
+        return self.impl.stats()
+
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+        return await self.impl.sample(adapter, job)
+
+
+@dataclass
+class _Replica:
+    actor: ray.actor.ActorHandle
+    in_flight: int = 0
+
+
+@dataclass
+class _BaseReplicas:
+    replicas: list[_Replica]
+    affinity: dict[str, int] = field(default_factory=dict)
+    """adapter key → the replica that served it last."""
+
+
+class SamplerPool:
+    """Starts and addresses the sampler replicas; the sampling service is its only caller."""
+
+    def __init__(self, models: list[BaseModelSpec], placement: SamplerPlacement) -> None:
+        self.models = {m.name: m for m in models}
+        self.placement = placement
+        self.bases: dict[str, _BaseReplicas] = {}
+        self.facts: dict[str, SamplerFacts] = {}
+
+    async def start(self) -> None:
+        """Create every replica and wait until each has loaded its base model."""
+        remote_cls = ray.remote(SamplerActor)
+        p = self.placement
+        for name, spec in self.models.items():
+            self.bases[name] = _BaseReplicas([
+                _Replica(remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None)
+                         .remote(spec.location, p))
+                for _ in range(p.count)])
+        for name, base in self.bases.items():
+            facts = await asyncio.gather(*(call_actor(r.actor, "facts", f"sampler for {name}")
+                                           for r in base.replicas))
+            self.facts[name] = facts[0]
+            log.info("samplers ready: %s × %d (%s on %s, up to %d adapters resident each)", name, len(facts),
+                     facts[0].backend, facts[0].device, facts[0].max_resident)
+
+    def _route(self, base: _BaseReplicas, adapter: AdapterRef | None) -> int:
+        least = min(range(len(base.replicas)), key=lambda i: base.replicas[i].in_flight)
+        if adapter is None:
+            return least
+        holder = base.affinity.get(adapter.key)
+        slack = self.placement.max_batch_sequences
+        if holder is not None and base.replicas[holder].in_flight <= base.replicas[least].in_flight + slack:
+            return holder
+        base.affinity[adapter.key] = least
+        return least
+
+    async def sample(self, base_model: str, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+        base = self.bases[base_model]
+        index = self._route(base, adapter)
+        replica = base.replicas[index]
+        replica.in_flight += job.num_samples
+        try:
+            return await call_actor(replica.actor, "sample", f"sampler {index} for {base_model}", adapter, job)
+        finally:
+            replica.in_flight -= job.num_samples
+
+    async def stats(self) -> dict[str, list[dict]]:
+        """Per base model, each replica's load and resident adapter count."""
+        out = {}
+        for name, base in self.bases.items():
+            stats = await asyncio.gather(*(call_actor(r.actor, "stats", f"sampler for {name}") for r in base.replicas))
+            out[name] = [{"in_flight": r.in_flight, "resident_adapters": len(s["resident_adapters"]),
+                          **{k: v for k, v in s.items() if k != "resident_adapters"}}
+                         for r, s in zip(base.replicas, stats)]
+        return out
+
+    def stop(self) -> None:
+        for base in self.bases.values():
+            for replica in base.replicas:
+                ray.kill(replica.actor)
+        self.bases.clear()

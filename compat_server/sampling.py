@@ -1,0 +1,280 @@
+"""The sampling operations behind the Tinker routes: sampling sessions, ``asample`` and ephemeral sampler weights.
+
+A sampling session names what to sample from: a base model, a saved sampler checkpoint, or weights saved without a
+name by ``save_weights_and_get_sampling_client`` (a ``snapshot``, or the training model's shared ``inflight``
+weights). ``asample`` checks the request, answers a future at once (with one sequence id per sample, which the SDK
+requires), and runs it on the sampler pool. Every so often a sampled sequence is re-scored by the trainer to measure
+how far the sampler's logprobs drift from the trainer's for the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tinker import types
+
+from adapters.base_models import BaseModelSpec
+from adapters.sampler import AdapterRef
+from adapters.sampler_pool import SamplerPool
+from compat_server.checkpoints import CheckpointStore, parse_path
+from compat_server.futures import PROTOBUF, Payload
+from compat_server.records import Records
+from compat_server.scheduler import Scheduler
+from shims.errors import UserError
+from shims.sampling_wire import SampleJob, SampleResult, SamplingLimits, decode_sample_request, encode_sample_response
+
+log = logging.getLogger("compat_server.sampling")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_num_samples: int = 128
+    max_logprobs_k: int = 64
+    drift_probe_every: int = 50
+    """Re-score one sampled sequence with the trainer every this many sample requests per base model (0: never)."""
+    ephemeral_keep: int = 8
+    """Unnamed sampler saves (snapshots and inflight versions) kept on disk per training model."""
+
+
+@dataclass
+class SamplingStats:
+    """Counters per base model, reported by ``GET /api/v1/metrics``."""
+
+    requests: int = 0
+    failed: int = 0
+    sequences: int = 0
+    sampled_tokens: int = 0
+    prompt_tokens: int = 0
+    busy_seconds: float = 0.0
+    drift_probes: int = 0
+    drift_last: float | None = None
+    drift_max: float = 0.0
+    drift_sum: float = 0.0
+    _probing: bool = field(default=False, repr=False)
+
+    def as_dict(self) -> dict:
+        return {
+            "requests": self.requests, "failed": self.failed, "sequences": self.sequences,
+            "sampled_tokens": self.sampled_tokens, "prompt_tokens": self.prompt_tokens,
+            "sampled_tokens_per_second": self.sampled_tokens / self.busy_seconds if self.busy_seconds else 0.0,
+            "logprob_drift": {
+                "probes": self.drift_probes, "last_max_abs": self.drift_last, "max_abs": self.drift_max,
+                "mean_of_max_abs": self.drift_sum / self.drift_probes if self.drift_probes else None,
+            },
+        }
+
+
+def sampler_id_for(session_id: str, sampling_session_seq_id: int) -> str:
+    return f"{session_id}:sample:{sampling_session_seq_id}"
+
+
+class SamplingService:
+    """Tinker sampling calls for one server."""
+
+    def __init__(self, records: Records, scheduler: Scheduler, samplers: SamplerPool, checkpoints: CheckpointStore,
+                 ephemeral_root: Path, base_models: dict[str, BaseModelSpec], options: SamplingOptions) -> None:
+        self.records = records
+        self.scheduler = scheduler
+        self.samplers = samplers
+        self.checkpoints = checkpoints
+        self.base_models = base_models
+        self.options = options
+        self.limits = {
+            name: SamplingLimits(vocab_size=facts.vocab_size, max_context=facts.max_context,
+                                 max_num_samples=options.max_num_samples, max_logprobs_k=options.max_logprobs_k)
+            for name, facts in samplers.facts.items()
+        }
+        self.stats = {name: SamplingStats() for name in base_models}
+        # Unnamed saves do not outlive the process that made them (their training model does not either).
+        self.ephemeral_root = ephemeral_root
+        shutil.rmtree(ephemeral_root, ignore_errors=True)
+        ephemeral_root.mkdir(parents=True, exist_ok=True)
+        self._ephemeral: dict[str, list[Path]] = {}
+        self._inflight: dict[str, AdapterRef] = {}
+        self._counter = 0
+        self._probes: set[asyncio.Task] = set()
+
+    # ---- sampling sessions ----------------------------------------------------------------------------------------
+    def create_sampling_session(self, owner: str, req: types.CreateSamplingSessionRequest) -> str:
+        if self.records.session(req.session_id, owner) is None:
+            raise UserError(f"unknown session_id {req.session_id!r}")
+        sampler_id = sampler_id_for(req.session_id, req.sampling_session_seq_id)
+        existing = self.records.sampler(sampler_id, owner)
+        if existing is not None:  # a retried request: the same answer, nothing created twice
+            if existing["model_path"] != req.model_path or (req.base_model and existing["base_model"] != req.base_model):
+                raise UserError(f"sampling session {sampler_id} already exists with different weights")
+            return sampler_id
+        if req.model_path:
+            ckpt, directory = self._sampler_checkpoint(owner, req.model_path)
+            if req.base_model and req.base_model != ckpt["base_model"]:
+                raise UserError(f"{req.model_path} was trained on {ckpt['base_model']}, not {req.base_model}")
+            self.records.create_sampler(sampler_id, session_id=req.session_id, owner=owner,
+                                        base_model=ckpt["base_model"], kind="checkpoint", model_path=req.model_path,
+                                        adapter_key=f"{req.model_path}@{ckpt['created']}", adapter_dir=str(directory))
+        elif req.base_model:
+            self._base(req.base_model)
+            self.records.create_sampler(sampler_id, session_id=req.session_id, owner=owner,
+                                        base_model=req.base_model, kind="base")
+        else:
+            raise UserError("create_sampling_session needs a base_model or a model_path")
+        log.info("sampling session created: %s (%s)", sampler_id, req.model_path or req.base_model)
+        return sampler_id
+
+    def get_sampler(self, owner: str, sampler_id: str) -> types.GetSamplerResponse:
+        row = self.records.sampler(sampler_id, owner)
+        if row is None:
+            raise UserError(f"unknown sampling session {sampler_id!r}")
+        return types.GetSamplerResponse(sampler_id=sampler_id, base_model=row["base_model"],
+                                        model_path=row["model_path"])
+
+    def _base(self, name: str) -> BaseModelSpec:
+        spec = self.base_models.get(name)
+        if spec is None:
+            raise UserError(f"unknown base model {name!r}; this server serves: {', '.join(self.base_models)}")
+        return spec
+
+    def _sampler_checkpoint(self, owner: str, path: str) -> tuple[dict, Path]:
+        parsed = parse_path(path)
+        if parsed.checkpoint_type != "sampler":
+            raise UserError(f"{path} holds training state (weights/); sample from sampler weights instead: save them "
+                            "with save_weights_for_sampler and use the tinker://…/sampler_weights/… path it returns")
+        ckpt = self.records.checkpoint(path, owner)
+        directory = self.checkpoints.directory(path)
+        if ckpt is None or not directory.exists():
+            raise UserError(f"sampler checkpoint {path} not found")
+        return ckpt, directory
+
+    # ---- ephemeral sampler weights ---------------------------------------------------------------------------------
+    def ephemeral_directory(self, model_id: str) -> Path:
+        """A fresh directory for an unnamed save of ``model_id``'s weights."""
+        self._counter += 1
+        return self.ephemeral_root / model_id.replace(":", "_") / f"{self._counter:08d}"
+
+    def register_ephemeral(self, owner: str, model_row: dict, sampling_session_seq_id: int | None, kind: str,
+                           directory: Path) -> str:
+        """Record a sampling session over weights just saved into ``directory``; returns its id."""
+        if sampling_session_seq_id is None:
+            raise UserError("save_weights_for_sampler without a name needs sampling_session_seq_id")
+        model_id = model_row["id"]
+        if kind == "inflight":
+            previous = self._inflight.get(model_id)
+            ref = AdapterRef(f"{model_id}#inflight", str(directory), (previous.version + 1) if previous else 1)
+            self._inflight[model_id] = ref
+        else:
+            ref = AdapterRef(f"{model_id}#{directory.name}", str(directory))
+        sampler_id = sampler_id_for(model_row["session_id"], sampling_session_seq_id)
+        self.records.create_sampler(sampler_id, session_id=model_row["session_id"], owner=owner,
+                                    base_model=model_row["base_model"], kind=kind, model_id=model_id,
+                                    adapter_key=ref.key, adapter_dir=str(directory))
+        kept = self._ephemeral.setdefault(model_id, [])
+        kept.append(directory)
+        while len(kept) > self.options.ephemeral_keep:
+            shutil.rmtree(kept.pop(0), ignore_errors=True)
+        log.info("sampler weights saved (%s): %s → sampling session %s", kind, model_id, sampler_id)
+        return sampler_id
+
+    # ---- asample --------------------------------------------------------------------------------------------------
+    def _resolve(self, owner: str, req: types.SampleRequest) -> tuple[str, dict | None]:
+        """(base model, sampler row or None for a request naming base_model / model_path directly)."""
+        if req.sampling_session_id is not None:
+            row = self.records.sampler(req.sampling_session_id, owner)
+            if row is None:
+                raise UserError(f"unknown sampling session {req.sampling_session_id!r}")
+            return row["base_model"], row
+        if req.model_path:
+            ckpt, directory = self._sampler_checkpoint(owner, req.model_path)
+            return ckpt["base_model"], {"kind": "checkpoint", "adapter_key": f"{req.model_path}@{ckpt['created']}",
+                                        "adapter_dir": str(directory), "id": req.model_path}
+        if req.base_model:
+            return self._base(req.base_model).name, None
+        raise UserError("a sample request needs a sampling_session_id, a model_path or a base_model")
+
+    def _adapter(self, row: dict | None) -> AdapterRef | None:
+        """The weights a sampler row stands for, resolved when the request runs (inflight weights may have moved)."""
+        if row is None or row["kind"] == "base":
+            return None
+        if row["kind"] == "inflight":
+            ref = self._inflight.get(row["model_id"])
+            if ref is None:
+                raise UserError(f"the inflight weights of sampling session {row['id']} are gone (the server "
+                                "restarted); save weights for sampling again")
+            return ref
+        if not Path(row["adapter_dir"]).exists():
+            raise UserError(f"the weights of sampling session {row['id']} are gone: the server keeps the last "
+                            f"{self.options.ephemeral_keep} unnamed saves per training model (--ephemeral-keep) and "
+                            "none across restarts; save weights for sampling again")
+        return AdapterRef(row["adapter_key"], row["adapter_dir"])
+
+    def asample(self, owner: str, req: types.SampleRequest, idem: str | None) -> dict:
+        """Answer ``{request_id, sample_sequence_ids}`` at once; a bad request answers a future failed as a user
+        error, like the training routes."""
+        prefix = req.sampling_session_id or "sample"
+        sequence_ids = [f"{prefix}:{req.seq_id}:{i}" for i in range(max(0, min(req.num_samples,
+                                                                                self.options.max_num_samples)))]
+        try:
+            base_model, row = self._resolve(owner, req)
+            job = decode_sample_request(req, self.limits[base_model])
+        except UserError as exc:
+            request_id = self.scheduler.fail_now(owner=owner, kind="sample", message=str(exc), idempotency_key=idem)
+            return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+        async def run() -> Payload:
+            adapter = self._adapter(row)
+            stats = self.stats[base_model]
+            started = time.perf_counter()
+            stats.requests += 1
+            try:
+                result = await self.samplers.sample(base_model, adapter, job)
+            except Exception:
+                stats.failed += 1
+                raise
+            stats.busy_seconds += time.perf_counter() - started
+            stats.sequences += len(result.sequences)
+            stats.sampled_tokens += sum(len(s.tokens) for s in result.sequences)
+            stats.prompt_tokens += len(job.prompt)
+            self._maybe_probe(base_model, adapter, job, result)
+            return Payload(PROTOBUF, encode_sample_response(result, job))
+
+        request_id = self.scheduler.submit(owner=owner, kind="sample", job=run, idempotency_key=idem)
+        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+    # ---- rollout-vs-train drift -----------------------------------------------------------------------------------
+    def _maybe_probe(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, result: SampleResult) -> None:
+        every = self.options.drift_probe_every
+        stats = self.stats[base_model]
+        seq = next((s for s in result.sequences if s.tokens), None)
+        if not every or stats._probing or seq is None or (stats.requests - 1) % every:
+            return
+        stats._probing = True
+        task = asyncio.get_running_loop().create_task(self._probe(base_model, adapter, job, seq.tokens, seq.logprobs))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, tokens: list[int],
+                     sampler_logprobs: list[float]) -> None:
+        stats = self.stats[base_model]
+        try:
+            trainer_logprobs = await self.scheduler.trainer(
+                base_model, "score", adapter.directory if adapter else None, [*job.prompt, *tokens])
+            gap = max(abs(a - b) for a, b in zip(trainer_logprobs[len(job.prompt) - 1:], sampler_logprobs))
+        except Exception as exc:  # noqa: BLE001 - a probe is best effort; the weights may have been superseded
+            log.debug("logprob drift probe skipped: %s", exc)
+            return
+        finally:
+            stats._probing = False
+        stats.drift_probes += 1
+        stats.drift_last = gap
+        stats.drift_max = max(stats.drift_max, gap)
+        stats.drift_sum += gap
+        log.info("logprob drift %s (%s): max |sampler − trainer| = %.2e over %d sampled tokens", base_model,
+                 adapter.key if adapter else "base", gap, len(tokens))
+
+    async def metrics(self) -> dict:
+        pool = await self.samplers.stats()
+        return {name: {**stats.as_dict(), "backend": self.samplers.facts[name].backend, "replicas": pool[name]}
+                for name, stats in self.stats.items()}

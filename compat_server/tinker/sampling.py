@@ -1,0 +1,46 @@
+"""Sampling routes: sampling sessions, the sampler record, and ``asample`` (which answers a future at once)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from litestar import Request, get, post
+from litestar.di import NamedDependency
+from litestar.params import Body, FromPath
+from tinker import types
+
+from compat_server.services import Services
+from compat_server.tinker.training import idempotency_key
+
+API = "/api/v1"
+
+
+@post(f"{API}/create_sampling_session", status_code=200)
+async def create_sampling_session(owner: NamedDependency[str], services: NamedDependency[Services],
+                                  data: Annotated[types.CreateSamplingSessionRequest, Body()]
+                                  ) -> types.CreateSamplingSessionResponse:
+    sampler_id = services.sampling.create_sampling_session(owner, data)
+    return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
+
+
+@get(f"{API}/samplers/{{sampler_id:str}}")
+async def get_sampler(sampler_id: FromPath[str], owner: NamedDependency[str],
+                      services: NamedDependency[Services]) -> types.GetSamplerResponse:
+    return services.sampling.get_sampler(owner, sampler_id)
+
+
+@post(f"{API}/asample", status_code=200)
+async def asample(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
+                  data: Annotated[types.SampleRequest, Body()]) -> dict:
+    """Answers ``{request_id, sample_sequence_ids}``; the result is a protobuf ``SampleResponse``."""
+    return services.sampling.asample(owner, data, idempotency_key(request))
+
+
+@get(f"{API}/metrics")
+async def metrics(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
+    """Per base model: sampling counters, sampled tokens/s, the sampler replicas' load and resident adapters, and
+    the measured gap between sampler and trainer logprobs for the same tokens (rollout-vs-train drift)."""
+    return {"sampling": await services.sampling.metrics()}
+
+
+SAMPLING_ROUTES = [create_sampling_session, get_sampler, asample, metrics]

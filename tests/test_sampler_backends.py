@@ -1,0 +1,156 @@
+"""Each sampler backend that can run on this machine, in-process: adapters against a transformers + peft reference,
+mixed-adapter batches, LRU eviction with transparent reload, and batching of concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from adapters.sampler import AdapterRef
+from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer
+from shims.sampling_wire import SampleJob
+from shims.training_wire import DatumArrays
+from tests.helpers import reference_peft_model
+
+PROMPT = (11, 42, 77, 103, 250, 19, 7)
+BACKENDS = ["transformers", "vllm"]
+
+
+def _vllm_unavailable() -> str | None:
+    if not torch.cuda.is_available():
+        return "the vLLM backend needs a CUDA GPU; this machine has none (it runs on GPU machines with the [gpu] extra)"
+    if importlib.util.find_spec("vllm") is None:
+        return "the vLLM backend needs the [gpu] extra: pip install -e '.[gpu]'"
+    return None
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def make_sampler(request, tiny_model_dir):
+    if request.param == "vllm" and (reason := _vllm_unavailable()):
+        pytest.skip(reason)
+    made = []
+
+    def make(max_resident: int = 4):
+        if request.param == "vllm":
+            from adapters.vllm_sampler import VLLMSampler
+
+            sampler = VLLMSampler(str(tiny_model_dir), max_resident=max_resident, gpu_memory_utilization=0.3)
+        else:
+            from adapters.hf_sampler import TransformersSampler
+
+            sampler = TransformersSampler(str(tiny_model_dir), max_resident=max_resident, threads=2)
+        made.append(sampler)
+        return sampler
+
+    make.backend = request.param
+    yield make
+    for sampler in made:
+        run(sampler.close())
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> list[AdapterRef]:
+    """Two trained adapters (different ranks and targets) saved as sampler checkpoints."""
+    trainer = MultiLoRATrainer(str(tiny_model_dir), threads=2)
+    tokens = np.array([*PROMPT, 301, 17, 96])
+    data = [DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
+                                                            "weights": np.ones(tokens.size - 1, dtype=np.float32)})]
+    refs = []
+    for name, spec in [("a", LoraSpec(rank=8, seed=1)), ("b", LoraSpec(rank=4, seed=2, train_unembed=False))]:
+        trainer.create(name, spec)
+        for _ in range(3):
+            trainer.forward_backward(name, data, "cross_entropy", {}, False)
+            trainer.optim_step(name, AdamHyper(learning_rate=1e-2))
+        directory = tmp_path_factory.mktemp(f"adapter-{name}")
+        trainer.save_for_sampler(name, str(directory))
+        refs.append(AdapterRef(key=name, directory=str(directory)))
+    return refs
+
+
+def scoring_job(**fields) -> SampleJob:
+    return SampleJob(prompt=PROMPT, max_tokens=6, temperature=0.0, stop_at_eos=False, prompt_logprobs=True, **fields)
+
+
+_LOOP = asyncio.new_event_loop()  # one loop for the module: a vLLM engine stays bound to the loop it first ran in
+
+
+def run(coro):
+    return _LOOP.run_until_complete(coro)
+
+
+def test_adapter_logprobs_match_peft_reference(make_sampler, adapters, tiny_model_dir):
+    sampler = make_sampler()
+    for ref in adapters:
+        result = run(sampler.sample(ref, scoring_job()))
+        seq = result.sequences[0]
+        model = reference_peft_model(tiny_model_dir, ref.directory).eval()
+        tokens = [*PROMPT, *seq.tokens]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+        expected = [float(logprobs[i - 1, tokens[i]]) for i in range(1, len(tokens))]
+        tolerance = 1e-4 if make_sampler.backend == "transformers" else 5e-2  # bf16 on GPU
+        np.testing.assert_allclose(result.prompt.logprobs[1:], expected[: len(PROMPT) - 1], atol=tolerance)
+        np.testing.assert_allclose(seq.logprobs, expected[len(PROMPT) - 1:], atol=tolerance)
+        assert seq.tokens == [int(logprobs[i - 1].argmax()) for i in range(len(PROMPT), len(tokens))]
+
+
+def test_mixed_adapter_batch_equals_separate_requests(make_sampler, adapters):
+    sampler = make_sampler()
+    refs = [adapters[0], None, adapters[1], adapters[0]]
+    alone = [run(sampler.sample(ref, scoring_job())) for ref in refs]
+
+    async def together():
+        return await asyncio.gather(*(sampler.sample(ref, scoring_job()) for ref in refs))
+
+    mixed = run(together())
+    for a, b in zip(alone, mixed):
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        np.testing.assert_allclose(a.sequences[0].logprobs, b.sequences[0].logprobs, atol=1e-4)
+        np.testing.assert_allclose(a.prompt.logprobs[1:], b.prompt.logprobs[1:], atol=1e-4)
+    assert alone[0].sequences[0].tokens != alone[2].sequences[0].tokens or \
+        not np.allclose(alone[0].sequences[0].logprobs, alone[2].sequences[0].logprobs)
+    if make_sampler.backend == "transformers":
+        assert sampler.batches == len(refs) + 1  # the concurrent four ran as one batch
+
+
+def test_evicted_adapter_reloads_transparently(make_sampler, adapters):
+    sampler = make_sampler(max_resident=1)
+    a, b = adapters
+    first = run(sampler.sample(a, scoring_job()))
+    assert sampler.resident() == ["a"]
+    other = run(sampler.sample(b, scoring_job()))
+    assert sampler.resident() == ["b"]  # a was evicted to make room
+    again = run(sampler.sample(a, scoring_job()))
+    assert sampler.resident() == ["a"]
+    assert again.sequences[0].tokens == first.sequences[0].tokens
+    np.testing.assert_allclose(again.prompt.logprobs[1:], first.prompt.logprobs[1:], atol=1e-5)
+    assert not np.allclose(other.prompt.logprobs[1:], first.prompt.logprobs[1:], atol=1e-4)
+
+
+def test_changed_weights_under_one_key_are_reloaded(make_sampler, adapters):
+    sampler = make_sampler()
+    a, b = adapters
+    first = run(sampler.sample(AdapterRef("shared", a.directory, version=1), scoring_job()))
+    stale = run(sampler.sample(AdapterRef("shared", b.directory, version=1), scoring_job()))
+    newer = run(sampler.sample(AdapterRef("shared", b.directory, version=2), scoring_job()))
+    direct = run(sampler.sample(b, scoring_job()))
+    np.testing.assert_allclose(stale.prompt.logprobs[1:], first.prompt.logprobs[1:], atol=1e-6)  # same version
+    np.testing.assert_allclose(newer.prompt.logprobs[1:], direct.prompt.logprobs[1:], atol=1e-5)
+
+
+def test_seeded_samples_do_not_depend_on_batch_company(make_sampler):
+    sampler = make_sampler()
+    job = SampleJob(prompt=PROMPT, num_samples=3, max_tokens=8, temperature=1.0, seed=7, stop_at_eos=False)
+    alone = run(sampler.sample(None, job))
+
+    async def crowded():
+        others = [SampleJob(prompt=PROMPT[:3], max_tokens=5, temperature=1.0, seed=i) for i in range(3)]
+        results = await asyncio.gather(sampler.sample(None, job), *(sampler.sample(None, o) for o in others))
+        return results[0]
+
+    together = run(crowded())
+    assert [s.tokens for s in alone.sequences] == [s.tokens for s in together.sequences]

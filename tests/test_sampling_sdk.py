@@ -1,0 +1,269 @@
+"""The tinker SDK, unmodified, samples from base models and trained adapters on the real server (transformers
+backend on CPU), and every number it gets back is checked against transformers + peft run here, in the test."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from tests.helpers import BASE_MODEL, checkpoint_dir, forward_logprobs, make_datum, reference_peft_model, train
+
+PROMPT = [11, 42, 77, 103, 250, 19, 7]
+TARGET = [301, 17, 96, 45]
+GREEDY = types.SamplingParams(max_tokens=len(TARGET), temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def base_reference(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def full_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """log-softmax at every position of ``tokens`` (row i = distribution over token i + 1), computed here."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(full_logprobs(model, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def base_sampler(service_client):
+    return service_client.create_sampling_client(base_model=BASE_MODEL).result()
+
+
+@pytest.fixture(scope="module")
+def memorized(service_client):
+    """A training client that has learned PROMPT → TARGET, and its sampler checkpoint."""
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=1).result()
+    losses = train(client, make_datum(PROMPT, TARGET), 20, types.AdamParams(learning_rate=3e-3))
+    assert losses[-1] < 0.02 * losses[0], losses
+    path = client.save_weights_for_sampler("memorized").result().path
+    return client, path
+
+
+def test_base_sampling_matches_reference_logprobs(base_sampler, base_reference):
+    prompt = types.ModelInput.from_ints(PROMPT)
+    result = base_sampler.sample(prompt, 3, types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)).result()
+    assert len(result.sequences) == 3
+    assert len({s.sequence_id for s in result.sequences}) == 3 and all(s.sequence_id for s in result.sequences)
+    for seq in result.sequences:
+        assert 1 <= len(seq.tokens) <= 6 and seq.stop_reason in ("stop", "length")
+        assert len(seq.logprobs) == len(seq.tokens)
+        reference = full_logprobs(base_reference, PROMPT + seq.tokens)
+        expected = [float(reference[len(PROMPT) - 1 + i, t]) for i, t in enumerate(seq.tokens)]
+        np.testing.assert_allclose(seq.logprobs, expected, atol=1e-4)
+    greedy = base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])).result()
+    assert greedy.sequences[0].tokens == greedy_reference(base_reference, PROMPT, 8)
+    assert greedy.sequences[0].stop_reason == "length"
+
+
+def test_adapter_greedy_continuation_is_the_memorized_target(service_client, base_sampler, memorized, server,
+                                                             tiny_model_dir):
+    _, path = memorized
+    sampler = service_client.create_sampling_client(model_path=path).result()
+    assert sampler.get_base_model() == BASE_MODEL
+    tuned = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0]
+    base = base_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0]
+    assert tuned.tokens == TARGET
+    assert base.tokens != TARGET
+    reference = reference_peft_model(tiny_model_dir, checkpoint_dir(server.data_dir, path)).eval()
+    expected = full_logprobs(reference, PROMPT + TARGET)
+    np.testing.assert_allclose(tuned.logprobs, [float(expected[len(PROMPT) - 1 + i, t]) for i, t in enumerate(TARGET)],
+                               atol=1e-4)
+    record = httpx.get(f"{server.base_url}/api/v1/samplers/{sampler._sampling_session_id}",
+                       headers={"X-API-Key": "tml-test-main"}).json()
+    assert record["model_path"] == path and record["base_model"] == BASE_MODEL
+
+
+def test_seed_gives_the_same_tokens(base_sampler):
+    prompt = types.ModelInput.from_ints(PROMPT)
+
+    def run(seed):
+        params = types.SamplingParams(max_tokens=10, temperature=1.0, seed=seed, stop=[])
+        return [s.tokens for s in base_sampler.sample(prompt, 2, params).result().sequences]
+
+    first, again, other = run(1234), run(1234), run(99)
+    assert first == again
+    assert first[0] != first[1]  # the samples of one request differ from each other
+    assert first != other
+
+
+def test_stop_token_ids_and_stop_strings(base_sampler, base_reference, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    continuation = greedy_reference(base_reference, PROMPT, 12)
+    prompt = types.ModelInput.from_ints(PROMPT)
+
+    stop_id = continuation[4]
+    cut = continuation.index(stop_id) + 1
+    by_id = base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0,
+                                                                stop=[stop_id])).result().sequences[0]
+    assert by_id.tokens == continuation[:cut] and by_id.stop_reason == "stop"
+
+    text = tokenizer.decode(continuation)
+    stop_text = next(text[i:i + 2] for i in range(len(tokenizer.decode(continuation[:3])), len(text) - 1)
+                     if text[i:i + 2].strip())
+    expected = next(continuation[:n] for n in range(1, 13) if stop_text in tokenizer.decode(continuation[:n]))
+    by_text = base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0,
+                                                                  stop=[stop_text])).result().sequences[0]
+    assert by_text.tokens == expected and by_text.stop_reason == "stop"
+
+    unstopped = base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=5, temperature=0.0,
+                                                                    stop=[])).result().sequences[0]
+    assert unstopped.tokens == continuation[:5] and unstopped.stop_reason == "length"
+
+
+def test_prompt_logprobs_equal_trainer_forward(service_client, memorized):
+    client, _ = memorized
+    datum = make_datum(PROMPT, TARGET)
+    trainer = forward_logprobs(client, datum)
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt_logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + TARGET)).result()
+    assert prompt_logprobs[0] is None
+    np.testing.assert_allclose(prompt_logprobs[1:], trainer, atol=1e-4)
+
+
+def test_topk_prompt_logprobs_and_last_n(base_sampler, base_reference):
+    prompt = types.ModelInput.from_ints(PROMPT)
+    result = base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                                 topk_prompt_logprobs=5).result()
+    reference = full_logprobs(base_reference, PROMPT)
+    assert result.topk_prompt_logprobs[0] is None
+    for position in range(1, len(PROMPT)):
+        values, ids = torch.topk(reference[position - 1], 5)
+        got = result.topk_prompt_logprobs[position]
+        assert [t for t, _ in got] == ids.tolist()
+        np.testing.assert_allclose([v for _, v in got], values.numpy(), atol=1e-4)
+        assert result.prompt_logprobs[position] == pytest.approx(float(reference[position - 1, PROMPT[position]]),
+                                                                 abs=1e-4)
+    last = base_sampler.compute_logprobs(prompt, prompt_logprobs_last_n=2).result()
+    assert last[:-2] == [None] * (len(PROMPT) - 2)
+    np.testing.assert_allclose(last[-2:], result.prompt_logprobs[-2:], atol=1e-5)
+
+
+def test_save_weights_and_get_sampling_client_sees_latest_weights(service_client):
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2).result()
+    datum = make_datum(PROMPT, TARGET)
+    prompt = types.ModelInput.from_ints(PROMPT + TARGET)
+    snapshot = client.save_weights_and_get_sampling_client().result()
+    before = snapshot.compute_logprobs(prompt).result()
+    train(client, datum, 3, types.AdamParams(learning_rate=1e-2))
+    after_sampler = client.save_weights_and_get_sampling_client().result()
+    after = after_sampler.compute_logprobs(prompt).result()
+    np.testing.assert_allclose(after[1:], forward_logprobs(client, datum), atol=1e-4)
+    assert sum(after[len(PROMPT):]) > sum(before[len(PROMPT):]) + 0.1  # training raised the target's likelihood
+    assert snapshot.compute_logprobs(prompt).result() == before  # a snapshot keeps the weights it captured
+    # Inflight clients share the model's latest inflight weights: an older one follows a newer save.
+    inflight = client.save_weights_and_get_sampling_client(kind="inflight").result()
+    train(client, datum, 1, types.AdamParams(learning_rate=1e-2))
+    newer = client.save_weights_and_get_sampling_client(kind="inflight").result()
+    shared = inflight.compute_logprobs(prompt).result()
+    np.testing.assert_allclose(shared[1:], newer.compute_logprobs(prompt).result()[1:], atol=1e-6)
+    np.testing.assert_allclose(shared[1:], forward_logprobs(client, datum), atol=1e-4)
+
+
+def test_concurrent_samples_from_threads_all_correct(service_client, base_sampler, memorized, base_reference):
+    _, path = memorized
+    tuned = service_client.create_sampling_client(model_path=path).result()
+    prompts = [PROMPT[: 3 + i % 5] for i in range(24)]
+    expected = {}
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            sampler = tuned if i % 2 else base_sampler
+            params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
+            results[i] = sampler.sample(types.ModelInput.from_ints(prompts[i]), 1, params).result().sequences[0].tokens
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert sorted(results) == list(range(len(prompts)))
+    for i, tokens in results.items():
+        if i % 2 == 0:
+            key = tuple(prompts[i])
+            expected.setdefault(key, greedy_reference(base_reference, prompts[i], 4))
+            assert tokens == expected[key], i
+    for i in range(1, len(prompts), 2):  # the adapter's answers agree with a sequential call
+        again = tuned.sample(types.ModelInput.from_ints(prompts[i]), 1,
+                             types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])).result()
+        assert again.sequences[0].tokens == results[i]
+
+
+def test_metrics_report_batching_and_logprob_drift(server, base_sampler):
+    prompt = types.ModelInput.from_ints(PROMPT)
+    futures = [base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3, seed=i)) for i in range(4)]
+    for future in futures:
+        future.result()
+    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    sampling = metrics["sampling"][BASE_MODEL]
+    assert sampling["backend"] == "transformers" and sampling["requests"] >= 4
+    assert sampling["sampled_tokens"] > 0 and sampling["sampled_tokens_per_second"] > 0
+    replica = sampling["replicas"][0]
+    assert replica["batches"] < sampling["requests"]  # concurrent requests shared batches
+    drift = sampling["logprob_drift"]
+    assert drift["probes"] >= 1 and drift["max_abs"] < 1e-4
+
+
+@pytest.mark.parametrize(("params", "prompt", "message"), [
+    (types.SamplingParams(max_tokens=0), PROMPT, "max_tokens must be at least 1"),
+    (types.SamplingParams(max_tokens=5000), PROMPT, "exceeds the model's context"),
+    (types.SamplingParams(max_tokens=4), [], "prompt is empty"),
+    (types.SamplingParams(max_tokens=4), [1, 2, 512], "outside the vocabulary"),
+    (types.SamplingParams(max_tokens=4, top_p=0.0), PROMPT, "top_p"),
+    (types.SamplingParams(max_tokens=4, temperature=-1), PROMPT, "temperature"),
+])
+def test_bad_sample_requests_are_user_errors(base_sampler, params, prompt, message):
+    with pytest.raises(tinker.RequestFailedError) as failure:
+        base_sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result()
+    assert failure.value.category == types.RequestErrorCategory.User
+    assert message in str(failure.value)
+    ok = base_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result()
+    assert len(ok.sequences[0].tokens) == len(TARGET)
+
+
+def test_bad_sampling_sessions_are_refused(service_client, memorized):
+    client, sampler_path = memorized
+    state_path = client.save_state("not-for-sampling").result().path
+    cases = [
+        ("tinker://no-such-run:train:0/sampler_weights/x", "not found"),
+        (state_path, "sampler_weights"),
+        ("tinker://../sampler_weights/x", "unsupported tinker path"),
+    ]
+    for path, message in cases:
+        with pytest.raises(tinker.BadRequestError) as failure:
+            service_client.create_sampling_client(model_path=path).result()
+        assert message in str(failure.value), (path, str(failure.value))
+    ok = service_client.create_sampling_client(model_path=sampler_path).result()
+    assert ok.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0].tokens == TARGET
+
+
+def test_another_tenant_cannot_sample_private_weights(server, memorized):
+    _, path = memorized
+    stranger = tinker.ServiceClient(base_url=server.base_url, api_key="tml-someone-else")
+    try:
+        with pytest.raises(tinker.BadRequestError) as failure:
+            stranger.create_sampling_client(model_path=path).result()
+        assert "not found" in str(failure.value)
+    finally:
+        stranger.close("success")

@@ -1,0 +1,213 @@
+"""Sampling shims: request checks, the protobuf answer (read back with the SDK's own decoder), and the sampling
+arithmetic, each against a reference written here in numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tinker import types
+from tinker.proto.response_conv import deserialize_sample_response
+
+from adapters.sampler import AdapterRef, ResidentAdapters
+from shims.errors import UserError
+from shims.sampling_math import StopMatcher, choose_token, filtered_probs, score_prompt, sequence_generators
+from shims.sampling_wire import (
+    PromptScores,
+    SampleJob,
+    SampleResult,
+    SamplingLimits,
+    SequenceResult,
+    decode_sample_request,
+    encode_sample_response,
+)
+
+LIMITS = SamplingLimits(vocab_size=50, max_context=64, max_num_samples=8, max_logprobs_k=5)
+
+
+def wire(td: types.TensorData) -> dict:
+    """The JSON form the SDK sends for a TensorData."""
+    return {"data": td.data, "dtype": td.dtype, "shape": td.shape, "sparse_crow_indices": td.sparse_crow_indices,
+            "sparse_col_indices": td.sparse_col_indices}
+
+
+def request(prompt=(1, 2, 3, 4), **fields) -> types.SampleRequest:
+    params = fields.pop("sampling_params", types.SamplingParams(max_tokens=4))
+    return types.SampleRequest(prompt=types.ModelInput.from_ints(list(prompt)), sampling_params=params,
+                               sampling_session_id="s", seq_id=0, **fields)
+
+
+def test_decode_normalises_parameters():
+    job = decode_sample_request(request(num_samples=3, sampling_params=types.SamplingParams(
+        max_tokens=5, temperature=0.5, top_k=-1, top_p=0.9, seed=-7, stop="\n\n")), LIMITS)
+    assert (job.prompt, job.num_samples, job.max_tokens, job.temperature) == ((1, 2, 3, 4), 3, 5, 0.5)
+    assert job.top_k == 0 and job.top_p == 0.9 and job.seed == (-7) % 2**63
+    assert job.stop_strings == ("\n\n",) and job.stop_token_ids == () and not job.stop_at_eos
+    assert decode_sample_request(request(sampling_params=types.SamplingParams(stop=[7, 9])), LIMITS).stop_token_ids \
+        == (7, 9)
+    default = decode_sample_request(request(sampling_params=types.SamplingParams()), LIMITS)
+    assert default.stop_at_eos and default.max_tokens == LIMITS.max_context - 4  # None: up to the context's end
+    assert not decode_sample_request(request(sampling_params=types.SamplingParams(stop=[])), LIMITS).stop_at_eos
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"prompt": ()}, "prompt is empty"),
+    ({"prompt": (1, 50)}, "token id 50 outside the vocabulary"),
+    ({"prompt": tuple(range(1, 50)) + (1,) * 15}, "leaves no room"),
+    ({"num_samples": 0}, "num_samples must be between 1 and 8"),
+    ({"num_samples": 9}, "num_samples must be between 1 and 8"),
+    ({"sampling_params": types.SamplingParams(max_tokens=0)}, "max_tokens must be at least 1"),
+    ({"sampling_params": types.SamplingParams(max_tokens=61)}, "exceeds the model's context of 64"),
+    ({"sampling_params": types.SamplingParams(temperature=float("nan"))}, "temperature"),
+    ({"sampling_params": types.SamplingParams(top_p=1.5)}, "top_p"),
+    ({"sampling_params": types.SamplingParams(top_k=-2)}, "top_k"),
+    ({"sampling_params": types.SamplingParams(stop=[""])}, "empty string"),
+    ({"sampling_params": types.SamplingParams(stop=[3, 99])}, "token id 99"),
+    ({"topk_prompt_logprobs": 6}, "topk_prompt_logprobs must be between 0 and 5"),
+    ({"topk_sample_logprobs": -1}, "topk_sample_logprobs"),
+    ({"prompt_logprobs_last_n": 2}, "set prompt_logprobs"),
+    ({"prompt_logprobs": True, "prompt_logprobs_last_n": 4}, "between 1 and len(prompt) - 1 = 3"),
+    ({"target_prompt_logprobs": wire(types.TensorData(data=[1, 2], dtype="int64", shape=[2, 1]))}, "shape"),
+    ({"target_prompt_logprobs": wire(types.TensorData(data=[-1, -1, -1], dtype="int64", shape=[3, 1]))}, "names no"),
+    ({"target_prompt_logprobs": wire(types.TensorData(data=[1.0, 2.0, 3.0], dtype="float32", shape=[3, 1]))},
+     "int64"),
+])
+def test_decode_rejects_bad_requests(fields, message):
+    prompt = fields.pop("prompt", (1, 2, 3, 4))
+    with pytest.raises(UserError) as failure:
+        decode_sample_request(request(prompt, **fields), LIMITS)
+    assert message in str(failure.value)
+
+
+def test_sparse_target_ids_keep_their_layout_in_the_answer():
+    ids = torch.full((9, 4), -1, dtype=torch.int64)
+    ids[0, 1], ids[2, 0] = 7, 9
+    sparse = types.TensorData.from_torch_sparse(ids, pad_value=-1)  # sparse enough that the SDK keeps it CSR
+    assert sparse.sparse_col_indices == [1, 0]
+    job = decode_sample_request(request(prompt=tuple(range(1, 11)), target_prompt_logprobs=wire(sparse)), LIMITS)
+    assert job.target.ids.tolist() == ids.tolist()
+    logprobs = np.zeros((9, 4), dtype=np.float32)
+    logprobs[0, 1], logprobs[2, 0] = -1.5, -2.5
+    answer = deserialize_sample_response(encode_sample_response(
+        SampleResult(sequences=[], prompt=PromptScores(target_logprobs=logprobs)), job))
+    assert answer.target_prompt_logprobs.to_torch().to_dense().tolist() == logprobs.tolist()
+    assert answer.target_prompt_logprobs.sparse_col_indices == [1, 0]
+
+
+def test_encoded_response_reads_back_with_the_sdk():
+    job = SampleJob(prompt=(1, 2, 3), num_samples=2, prompt_logprobs=True, topk_prompt_logprobs=2,
+                    topk_sample_logprobs=1, prompt_alt_tokens_k=2)
+    topk_ids = np.array([[0, 0], [4, 5], [6, 7]], dtype=np.int32)
+    topk_lps = np.array([[-99999.0, -99999.0], [-0.1, -2.0], [-0.3, -1.0]], dtype=np.float32)
+    result = SampleResult(
+        sequences=[SequenceResult([5, 6], [-0.5, -0.25], "length", np.array([[5], [6]]), np.array([[-0.5], [-0.25]])),
+                   SequenceResult([9], [-1.0], "stop", np.array([[9]]), np.array([[-1.0]]))],
+        prompt=PromptScores(logprobs=np.array([np.nan, -1.0, -2.0], dtype=np.float32), topk_ids=topk_ids,
+                            topk_logprobs=topk_lps, alt_tokens=np.array([[3, 4], [5, 5]]),
+                            alt_logprobs=np.array([[-1.0, -2.0], [-0.5, -0.5]], dtype=np.float32)),
+        prompt_cache_hit_tokens=2)
+    answer = deserialize_sample_response(encode_sample_response(result, job))
+    assert [s.tokens for s in answer.sequences] == [[5, 6], [9]]
+    assert [s.stop_reason for s in answer.sequences] == ["length", "stop"]
+    assert answer.sequences[0].logprobs == [-0.5, -0.25]
+    assert answer.sequences[1].topk_logprobs == [[(9, -1.0)]]
+    assert answer.prompt_logprobs == [None, -1.0, -2.0]
+    assert answer.topk_prompt_logprobs[0] is None
+    assert answer.topk_prompt_logprobs[1] == [(4, pytest.approx(-0.1)), (5, -2.0)]
+    assert answer.prompt_alt_tokens.tokens.to_numpy().tolist() == [[3, 4], [5, 5]]
+    assert answer.prompt_cache_hit_tokens == 2
+
+
+def reference_filter(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Independent formulation: sort once, keep the top-k, then the shortest prefix with mass ≥ top_p."""
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros_like(p, dtype=bool)
+    allowed = order[:top_k] if top_k > 0 else order
+    renorm = p[allowed] / p[allowed].sum()
+    mass = 0.0
+    for token, q in zip(allowed, renorm):
+        keep[token] = True
+        mass += q
+        if mass >= top_p:
+            break
+    out = np.where(keep, p, 0.0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6),
+                                                             (0.9, 8, 0.8), (2.0, 1, 1.0)])
+def test_filtered_probs_match_reference(temperature, top_k, top_p):
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(int(temperature * 10 + top_k)))
+    got = filtered_probs(logits, temperature, top_k, top_p).numpy()
+    np.testing.assert_allclose(got, reference_filter(logits.double().numpy(), temperature, top_k, top_p), atol=1e-6)
+
+
+def test_choose_token_is_greedy_at_zero_and_reproducible_with_a_seed():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    greedy = SampleJob(prompt=(1,), temperature=0.0)
+    assert choose_token(logits, greedy, torch.Generator()) == int(np.argmax(logits.numpy()))
+    job = SampleJob(prompt=(1,), num_samples=3, seed=42, top_k=3)
+    draws = [[choose_token(logits, job, g) for _ in range(20)] for g in sequence_generators(job, 0)]
+    again = [[choose_token(logits, job, g) for _ in range(20)] for g in sequence_generators(job, 1)]
+    assert draws == again  # the seed, not the fallback, decides
+    allowed = set(np.argsort(-logits.numpy())[:3].tolist())
+    assert set(sum(draws, [])) <= allowed and draws[0] != draws[1]
+
+
+def test_score_prompt_matches_reference():
+    prompt = (3, 7, 1, 9, 4)
+    logits = torch.randn(len(prompt) - 1, 12, generator=torch.Generator().manual_seed(1))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    target = np.array([[1, -1], [2, 3], [-1, -1], [0, 11]])
+    from shims.sampling_wire import TargetIds
+
+    job = SampleJob(prompt=prompt, prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=3,
+                    target=TargetIds(ids=target), prompt_alt_tokens_k=4, temperature=1.0)
+    scores = score_prompt(logprobs, job, torch.Generator().manual_seed(0))
+    ref = logprobs.numpy()
+    expected = [np.nan, np.nan] + [ref[i - 1, prompt[i]] for i in range(2, 5)]
+    np.testing.assert_allclose(scores.logprobs, expected, atol=1e-6)
+    assert scores.topk_ids[:2].tolist() == [[0, 0, 0]] * 2 and (scores.topk_logprobs[:2] == -99999.0).all()
+    for i in range(2, 5):
+        assert scores.topk_ids[i].tolist() == np.argsort(-ref[i - 1])[:3].tolist()
+    expected_target = np.where(target >= 0, np.take_along_axis(ref, np.maximum(target, 0), axis=1), 0.0)
+    np.testing.assert_allclose(scores.target_logprobs, expected_target, atol=1e-6)
+    assert scores.alt_tokens.shape == (4, 4)
+    np.testing.assert_allclose(scores.alt_logprobs, np.take_along_axis(ref, scores.alt_tokens, axis=1), atol=1e-6)
+
+
+def test_stop_matcher():
+    def decode(tokens):
+        return "".join(chr(ord("a") + t) for t in tokens)
+
+    strings = StopMatcher(SampleJob(prompt=(0,), stop_strings=("cd",), stop_at_eos=False), [25], decode)
+    assert [strings.done([0, 1, 2, 25][:n]) for n in (1, 2, 3, 4)] == [False, False, False, False]  # no eos stop
+    strings = StopMatcher(SampleJob(prompt=(0,), stop_strings=("cd",), stop_at_eos=False), [25], decode)
+    assert [strings.done([0, 1, 2, 3][:n]) for n in (1, 2, 3, 4)] == [False, False, False, True]  # "c" + "d"
+    eos = StopMatcher(SampleJob(prompt=(0,)), [25], decode)
+    assert eos.done([1, 25]) and not eos.done([1, 2])
+    ids = StopMatcher(SampleJob(prompt=(0,), stop_token_ids=(4,), stop_at_eos=False), [25], decode)
+    assert ids.done([4]) and not ids.done([25])
+
+
+def test_resident_adapters_evict_least_recently_used_and_reload_changed_weights():
+    lru = ResidentAdapters(2)
+    a, b, c = (AdapterRef(k, f"/d/{k}") for k in "abc")
+    first = lru.acquire(a)
+    assert first.load and first.evicted == ()
+    lru.release("a")
+    assert lru.acquire(b).load
+    lru.release("b")
+    assert not lru.acquire(a).load  # resident: no reload, and now the most recently used
+    lru.release("a")
+    third = lru.acquire(c)
+    assert third.load and len(third.evicted) == 1 and lru.keys() == ["a", "c"]  # b was least recently used
+    lru.release("c")
+    newer = lru.acquire(AdapterRef("a", "/d/a2", version=1))
+    assert newer.load and newer.evicted == (first.slot_id,) and newer.slot_id != first.slot_id
+    assert lru.acquire(b).evicted == (third.slot_id,)  # c was the only one not in use
+    with pytest.raises(RuntimeError, match="in use"):
+        lru.acquire(c)  # a and b both serve running batches
