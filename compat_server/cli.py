@@ -153,7 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    serve(config_from_args(args))
+    config = config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    serve(config)
 
 
 if __name__ == "__main__":

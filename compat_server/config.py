@@ -45,6 +45,27 @@ class ServerConfig:
     access_log: bool = False
     log_level: str = "INFO"
 
+    def validate(self) -> None:
+        """Refuse option values the server could not run with, naming the option."""
+        problems = [message for ok, message in [
+            (self.samplers >= 1, "--samplers must be at least 1"),
+            (self.sampler_batch >= 1, "--sampler-batch must be at least 1"),
+            (self.max_resident_adapters >= 1, "--max-resident-adapters must be at least 1"),
+            (self.max_num_samples >= 1, "--max-num-samples must be at least 1"),
+            (self.max_logprobs_k >= 0, "--max-logprobs-k must be 0 or more"),
+            (self.drift_probe_every >= 0, "--drift-probe-every must be 0 (off) or more"),
+            (self.ephemeral_keep >= 1, "--ephemeral-keep must be at least 1"),
+            (self.vllm_max_lora_rank >= 1, "--vllm-max-lora-rank must be at least 1"),
+            (self.vllm_gpu_memory_utilization is None or 0 < self.vllm_gpu_memory_utilization <= 1,
+             "--vllm-gpu-memory-utilization must be in (0, 1]"),
+            (self.trainer_cpus >= 0 and self.sampler_cpus >= 0, "--trainer-cpus and --sampler-cpus must be ≥ 0"),
+            (self.poll_hold_seconds >= 0 and self.seq_gap_timeout > 0, "--poll-hold-seconds must be ≥ 0 and "
+                                                                       "--seq-gap-timeout > 0"),
+            (self.max_body_mb >= 1, "--max-body-mb must be at least 1"),
+        ] if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
+
     @property
     def records_path(self) -> Path:
         return self.data_dir / "records.sqlite3"

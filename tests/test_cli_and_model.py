@@ -15,9 +15,19 @@ def test_help_explains_every_serve_option():
                            text=True)
     assert top.returncode == 0 and serve.returncode == 0
     for option in ["--host", "--port", "--base-model", "--data-dir", "--ray-address", "--trainer-gpus",
-                   "--poll-hold-seconds", "--seq-gap-timeout", "--max-body-mb", "--log-level"]:
+                   "--poll-hold-seconds", "--seq-gap-timeout", "--max-body-mb", "--log-level", "--samplers",
+                   "--sampler-backend", "--sampler-gpus", "--sampler-batch", "--max-resident-adapters",
+                   "--vllm-max-lora-rank", "--max-num-samples", "--max-logprobs-k", "--drift-probe-every",
+                   "--ephemeral-keep"]:
         assert option in top.stdout and option in serve.stdout
     assert "default: 127.0.0.1" in serve.stdout and "default: 8000" in serve.stdout
+
+
+def test_invalid_option_values_are_refused_with_the_option_named():
+    done = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--samplers", "0",
+                           "--max-resident-adapters", "0"], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert "--samplers must be at least 1" in done.stderr and "--max-resident-adapters must be at least 1" in done.stderr
 
 
 def digest(path) -> str:

@@ -154,3 +154,22 @@ def test_seeded_samples_do_not_depend_on_batch_company(make_sampler):
 
     together = run(crowded())
     assert [s.tokens for s in alone.sequences] == [s.tokens for s in together.sequences]
+
+
+def test_pool_routes_an_adapter_to_the_replica_that_holds_it():
+    """Routing only (no actors): affinity wins unless that replica is much busier than the least busy one."""
+    from adapters.sampler_pool import SamplerPlacement, SamplerPool, _BaseReplicas, _Replica
+
+    pool = SamplerPool([], SamplerPlacement(count=2, max_batch_sequences=4))
+    base = _BaseReplicas([_Replica(actor=None), _Replica(actor=None)])
+    a, b = AdapterRef("a", "/a"), AdapterRef("b", "/b")
+    assert pool._route(base, a) == 0
+    base.replicas[0].in_flight = 1
+    assert pool._route(base, b) == 1  # new adapter: the least busy replica
+    base.replicas[0].in_flight = 3
+    assert pool._route(base, a) == 0  # still within the slack: stays where it is resident
+    base.replicas[0].in_flight = 9
+    assert pool._route(base, a) == 1  # too busy: moves, and the affinity follows
+    base.replicas[0].in_flight = 0
+    assert pool._route(base, a) == 1
+    assert pool._route(base, None) == 0
