@@ -33,7 +33,7 @@ _PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-_WORDS = (
+_WORDS = (  # noqa: SIM905 - one readable string of words; the tokenizer corpus is built from it
     "the of and to in is was for on that with as by at from it an be this are which or his her they have not had "
     "one but all were when there can been has more if who will their would what out about up into than them "
     "some time could other these two may then do first any my now such like our over man me even most made after "

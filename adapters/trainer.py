@@ -309,7 +309,7 @@ class MultiLoRATrainer:
         except UserError:
             self.unload(staging_id)
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a bad checkpoint raises, it is the caller's to fix
             self.unload(staging_id)
             raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
         if model_id in self.adapters:

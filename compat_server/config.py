@@ -59,8 +59,8 @@ class ServerConfig:
             (self.vllm_gpu_memory_utilization is None or 0 < self.vllm_gpu_memory_utilization <= 1,
              "--vllm-gpu-memory-utilization must be in (0, 1]"),
             (self.trainer_cpus >= 0 and self.sampler_cpus >= 0, "--trainer-cpus and --sampler-cpus must be ≥ 0"),
-            (self.poll_hold_seconds >= 0 and self.seq_gap_timeout > 0, "--poll-hold-seconds must be ≥ 0 and "
-                                                                       "--seq-gap-timeout > 0"),
+            (self.poll_hold_seconds >= 0, "--poll-hold-seconds must be ≥ 0"),
+            (self.seq_gap_timeout > 0, "--seq-gap-timeout must be > 0"),
             (self.max_body_mb >= 1, "--max-body-mb must be at least 1"),
         ] if not ok]
         if problems:

@@ -47,10 +47,11 @@ def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = 
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "server.log"
+    log_file = open(log_path, "wb")  # noqa: SIM115 - the child process writes to it for its whole life
     process = subprocess.Popen(
         [sys.executable, "-m", "compat_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args],
-        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
     )
     server = RunningServer(process, f"http://127.0.0.1:{port}", data_dir, log_path)
     deadline = time.monotonic() + timeout

@@ -154,7 +154,7 @@ def test_choose_token_is_greedy_at_zero_and_reproducible_with_a_seed():
     again = [[choose_token(logits, job, g) for _ in range(20)] for g in sequence_generators(job, 1)]
     assert draws == again  # the seed, not the fallback, decides
     allowed = set(np.argsort(-logits.numpy())[:3].tolist())
-    assert set(sum(draws, [])) <= allowed and draws[0] != draws[1]
+    assert {token for row in draws for token in row} <= allowed and draws[0] != draws[1]
 
 
 def test_score_prompt_matches_reference():

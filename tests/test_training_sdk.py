@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import tinker
@@ -54,7 +56,7 @@ def test_capabilities_info_tokenizer_and_loss_falls(service_client, server):
         # The reported loss is the weighted sum of the returned logprobs, as Tinker defines cross_entropy.
         assert out.metrics["loss:sum"] == pytest.approx(-(logprobs * weights).sum(), rel=1e-5)
         losses.append(out.metrics["loss:sum"])
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
 
 
 def test_forward_matches_transformers_peft_reference(service_client, server, tiny_model_dir, datum):
