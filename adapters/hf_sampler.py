@@ -26,6 +26,10 @@ log = logging.getLogger("compat_server.sampler")
 BASE = "__base__"
 """PEFT's name for "no adapter" in a mixed-adapter batch."""
 
+PROMPT_LOGITS_BUDGET = 1 << 28
+"""Most logit cells (rows × prompt length × vocabulary; 1 GiB in fp32) one batch may materialise to score prompts:
+a request that would exceed it with others waits for a batch of its own."""
+
 
 @dataclass
 class _Request:
@@ -112,35 +116,40 @@ class TransformersSampler:
             while self._pending:
                 batch = self._take_batch()
                 try:
-                    results = await asyncio.to_thread(self._run_batch, [(r.adapter, r.job) for r in batch])
+                    outcomes = await asyncio.to_thread(self._run_batch, [(r.adapter, r.job) for r in batch])
                 except Exception as exc:  # noqa: BLE001 - every waiting caller must hear about the failure
-                    for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(exc)
-                    continue
-                for r, result in zip(batch, results):
-                    if not r.future.done():
-                        r.future.set_result(result)
+                    outcomes = [exc] * len(batch)
+                for r, outcome in zip(batch, outcomes):
+                    if r.future.done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        r.future.set_exception(outcome)
+                    else:
+                        r.future.set_result(outcome)
 
     def _take_batch(self) -> list[_Request]:
-        """Oldest first, up to ``max_batch_sequences`` rows and at most as many distinct adapters as may be
-        resident; the first request always goes, whatever its size."""
-        batch, rows, keys = [], 0, set()
+        """Oldest first, up to ``max_batch_sequences`` rows, at most as many distinct adapters as may be resident,
+        and prompt-scoring logits (rows × prompt length × vocabulary) within ``PROMPT_LOGITS_BUDGET``; the first
+        request always goes, whatever its size."""
+        batch, rows, keys, longest, scoring = [], 0, set(), 0, False
         for request in list(self._pending):
-            key = request.adapter.key if request.adapter else None
-            new_keys = keys | ({key} if key else set())
-            if batch and (rows + request.job.num_samples > self.max_batch_sequences
-                          or len(new_keys) > self.adapters.capacity):
+            job = request.job
+            new_keys = keys | ({request.adapter.key} if request.adapter else set())
+            new_longest, new_rows = max(longest, len(job.prompt)), rows + job.num_samples
+            new_scoring = scoring or job.needs_prompt_scores
+            logit_cells = new_rows * new_longest * self._facts.vocab_size if new_scoring else 0
+            if batch and (new_rows > self.max_batch_sequences or len(new_keys) > self.adapters.capacity
+                          or logit_cells > PROMPT_LOGITS_BUDGET):
                 break
             batch.append(request)
-            rows += request.job.num_samples
-            keys = new_keys
+            rows, keys, longest, scoring = new_rows, new_keys, new_longest, new_scoring
             self._pending.remove(request)
         return batch
 
     # ---- adapters -------------------------------------------------------------------------------------------------
-    def _acquire(self, ref: AdapterRef) -> str:
-        """Make ``ref`` resident (loading it if needed, then evicting what the LRU says) and return its PEFT name."""
+    def _acquire(self, ref: AdapterRef) -> tuple[str, int]:
+        """Make ``ref`` resident (loading it if needed, then unloading what the LRU evicts); returns its PEFT name
+        and slot id."""
         from peft import PeftModel
 
         slot = self.adapters.acquire(ref)
@@ -153,32 +162,48 @@ class TransformersSampler:
                     self.peft.load_adapter(ref.directory, adapter_name=name)
                     self.peft.eval()
             except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
-                self.adapters.forget(ref.key)
+                self.adapters.forget(ref.key, slot.slot_id)
                 raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None
             log.info("adapter loaded into sampler: %s (%s)", ref.key, name)
-        for evicted in slot.evicted:
-            self.peft.delete_adapter(f"slot_{evicted}")
-            log.info("adapter evicted from sampler: slot_%d", evicted)
+        self._unload(slot.evicted)
         self.peft.set_adapter(name)  # some adapter must stay active; mixed batches name their own per row
-        return name
+        return name, slot.slot_id
+
+    def _unload(self, slot_ids) -> None:
+        for slot_id in slot_ids:
+            self.peft.delete_adapter(f"slot_{slot_id}")
+            log.info("adapter evicted from sampler: slot_%d", slot_id)
 
     # ---- generation -----------------------------------------------------------------------------------------------
-    def _run_batch(self, requests: list[tuple[AdapterRef | None, SampleJob]]) -> list[SampleResult]:
-        names, acquired = [], []
+    def _run_batch(self, requests: list[tuple[AdapterRef | None, SampleJob]]) -> list[SampleResult | Exception]:
+        """Results in request order; a request whose adapter cannot be loaded gets its own error, and the others
+        still run."""
+        outcomes: list[SampleResult | Exception | None] = [None] * len(requests)
+        runnable, names, held = [], [], []
         try:
-            for ref, _ in requests:
+            for i, (ref, _) in enumerate(requests):
                 if ref is None:
+                    runnable.append(i)
                     names.append(BASE)
-                else:
-                    names.append(self._acquire(ref))
-                    acquired.append(ref.key)
-            with torch.inference_mode():
-                results = self._generate(requests, names)
+                    continue
+                try:
+                    name, slot_id = self._acquire(ref)
+                except UserError as exc:
+                    outcomes[i] = exc
+                    continue
+                held.append((ref.key, slot_id))
+                runnable.append(i)
+                names.append(name)
+            if runnable:
+                with torch.inference_mode():
+                    results = self._generate([requests[i] for i in runnable], names)
+                for i, result in zip(runnable, results):
+                    outcomes[i] = result
         finally:
-            for key in acquired:
-                self.adapters.release(key)
+            for key, slot_id in held:
+                self.adapters.release(key, slot_id)
         self.batches += 1
-        return results
+        return outcomes
 
     def _forward(self, adapter_names: list[str], **kwargs):
         if self.peft is None:
@@ -213,7 +238,10 @@ class TransformersSampler:
                 if job.needs_prompt_scores:
                     n = len(job.prompt)
                     logprobs = torch.log_softmax(out.logits[i, longest - n:longest - 1].float(), dim=-1)
-                    results[index].prompt = score_prompt(logprobs, job, rows[i].generator)
+                    # Its own stream, so asking for prompt_alt_tokens never changes the sampled tokens.
+                    seed = job.seed if job.seed is not None else secrets.randbits(62)
+                    draws = torch.Generator().manual_seed((seed ^ 0x5EED) % 2**63)
+                    results[index].prompt = score_prompt(logprobs, job, draws)
         cache, last = out.past_key_values, out.logits[:, -1]
         active = list(range(len(rows)))  # row numbers still generating, in cache order
         next_pos = positions[:, -1] + 1

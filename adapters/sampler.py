@@ -8,6 +8,7 @@ loading adapters on demand from their checkpoint directory and keeping a bounded
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,11 +82,17 @@ class Acquired:
     """Slots to unload first, least recently used first."""
 
 
+class AllAdaptersBusy(RuntimeError):
+    """Every resident adapter serves a running request, so none can make room; wait for a ``release``."""
+
+
 class ResidentAdapters:
     """Least-recently-used bookkeeping of the adapters a backend holds, at most ``capacity`` at once.
 
     Every load gets a fresh slot id (an adapter name in PEFT, a ``lora_int_id`` in vLLM), so a reloaded adapter never
-    reuses the id of weights that changed. Adapters in use by a running batch are never evicted.
+    reuses the id of weights that changed. Adapters in use by running requests are never evicted: when newer weights
+    arrive under a key still in use, the old slot is retired and unloaded once its last user releases it.
+    Thread-safe: the transformers backend acquires in a worker thread while metrics read ``keys`` elsewhere.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -93,38 +100,56 @@ class ResidentAdapters:
             raise ValueError("an adapter capacity of at least 1 is needed")
         self.capacity = capacity
         self._slots: dict[str, _Slot] = {}  # insertion order = recency, least recent first
+        self._retired: dict[int, _Slot] = {}  # replaced while in use: unloaded when released
+        self._unload: list[int] = []
         self._next_id = 1
+        self._lock = threading.Lock()
 
     def keys(self) -> list[str]:
-        return list(self._slots)
+        with self._lock:
+            return list(self._slots)
 
     def acquire(self, ref: AdapterRef) -> Acquired:
-        """Mark ``ref`` in use (call ``release`` when done) and say what to load and unload for it."""
-        slot = self._slots.pop(ref.key, None)
-        evicted: list[int] = []
-        if slot is not None and slot.version >= ref.version:
-            slot.in_use += 1
-            self._slots[ref.key] = slot
-            return Acquired(slot.slot_id, False, ())
-        if slot is not None:  # stale weights: replaced, so the old slot goes (if nothing still uses it)
-            if slot.in_use:
-                raise RuntimeError(f"adapter {ref.key} changed while a batch still uses it")
-            evicted.append(slot.slot_id)
-        while len(self._slots) >= self.capacity:
-            victim = next((k for k, s in self._slots.items() if not s.in_use), None)
-            if victim is None:
-                raise RuntimeError(f"all {self.capacity} resident adapters are in use")
-            evicted.append(self._slots.pop(victim).slot_id)
-        new = _Slot(self._next_id, ref.version, in_use=1)
-        self._next_id += 1
-        self._slots[ref.key] = new
-        return Acquired(new.slot_id, True, tuple(evicted))
+        """Mark ``ref`` in use (call ``release`` with the slot id when done) and say what to load and unload."""
+        with self._lock:
+            evicted, self._unload = self._unload, []
+            slot = self._slots.pop(ref.key, None)
+            if slot is not None and slot.version >= ref.version:
+                slot.in_use += 1
+                self._slots[ref.key] = slot
+                return Acquired(slot.slot_id, False, tuple(evicted))
+            if slot is not None:  # stale weights: replaced now, unloaded as soon as nothing uses them
+                if slot.in_use:
+                    self._retired[slot.slot_id] = slot
+                else:
+                    evicted.append(slot.slot_id)
+            while len(self._slots) >= self.capacity:
+                victim = next((k for k, s in self._slots.items() if not s.in_use), None)
+                if victim is None:
+                    self._unload = evicted  # still owed to the backend
+                    raise AllAdaptersBusy(f"all {self.capacity} resident adapters are in use")
+                evicted.append(self._slots.pop(victim).slot_id)
+            new = _Slot(self._next_id, ref.version, in_use=1)
+            self._next_id += 1
+            self._slots[ref.key] = new
+            return Acquired(new.slot_id, True, tuple(evicted))
 
-    def release(self, key: str) -> None:
-        slot = self._slots.get(key)
-        if slot is not None and slot.in_use:
-            slot.in_use -= 1
+    def release(self, key: str, slot_id: int) -> None:
+        with self._lock:
+            retired = self._retired.get(slot_id)
+            if retired is not None:
+                retired.in_use -= 1
+                if not retired.in_use:
+                    del self._retired[slot_id]
+                    self._unload.append(slot_id)
+                return
+            slot = self._slots.get(key)
+            if slot is not None and slot.slot_id == slot_id and slot.in_use:
+                slot.in_use -= 1
 
-    def forget(self, key: str) -> None:
+    def forget(self, key: str, slot_id: int) -> None:
         """Drop a slot whose load failed."""
-        self._slots.pop(key, None)
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and slot.slot_id == slot_id:
+                del self._slots[key]

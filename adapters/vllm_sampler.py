@@ -9,6 +9,7 @@ trainer's ``forward`` computes for the same tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapters.sampler import AdapterRef, ResidentAdapters, SamplerFacts
+from adapters.sampler import Acquired, AdapterRef, AllAdaptersBusy, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
 from shims.sampling_wire import PromptScores, SampleJob, SampleResult, SequenceResult, masked_topk
 
@@ -39,6 +40,7 @@ class VLLMSampler:
         config = self.engine.model_config
         self.max_lora_rank = max_lora_rank
         self.adapters = ResidentAdapters(max_resident)
+        self._freed = asyncio.Condition()
         self._facts = SamplerFacts(backend="vllm", vocab_size=int(config.get_vocab_size()),
                                    max_context=int(config.max_model_len), device="cuda", max_resident=max_resident)
 
@@ -83,29 +85,45 @@ class VLLMSampler:
         from vllm.lora.request import LoRARequest
 
         self._check_supported(job)
-        lora = None
-        if adapter is not None:
-            self._check_rank(adapter)
-            slot = self.adapters.acquire(adapter)
-            for evicted in slot.evicted:
-                await self.engine.remove_lora(evicted)
-                log.info("adapter evicted from vLLM sampler: lora id %d", evicted)
-            lora = LoRARequest(adapter.key, slot.slot_id, adapter.directory)
+        lora, slot_id = None, None
         try:
+            if adapter is not None:
+                self._check_rank(adapter)
+                slot = await self._acquire(adapter)
+                slot_id = slot.slot_id
+                for evicted in slot.evicted:
+                    await self.engine.remove_lora(evicted)
+                    log.info("adapter evicted from vLLM sampler: lora id %d", evicted)
+                # The name is unique per load: vLLM's prefix cache keys on it, and KV computed with older weights
+                # under the same key must never be reused for newer ones.
+                lora = LoRARequest(f"{adapter.key}#{slot_id}", slot_id, adapter.directory)
             final = None
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(job.prompt)),
                                                      self._params(job), request_id=uuid.uuid4().hex,
                                                      lora_request=lora):
                 final = output
         except Exception as exc:
-            if adapter is not None and "lora" in str(exc).lower():
-                self.adapters.forget(adapter.key)
-                raise UserError(f"sampler weights {adapter.key} could not be loaded by vLLM: {exc}") from None
+            if adapter is not None and slot_id is not None and "lora" in str(exc).lower():
+                self.adapters.forget(adapter.key, slot_id)
+                raise UserError(f"sampler weights {adapter.key} could not be loaded by vLLM: {exc}. An adapter "
+                                "trained with train_unembed=True (LoRA on lm_head) may not load in vLLM; train "
+                                "with train_unembed=False or run --sampler-backend transformers") from None
             raise
         finally:
-            if adapter is not None:
-                self.adapters.release(adapter.key)
+            if slot_id is not None:
+                self.adapters.release(adapter.key, slot_id)
+                async with self._freed:
+                    self._freed.notify_all()
         return self._result(final, job)
+
+    async def _acquire(self, adapter: AdapterRef) -> Acquired:
+        """Reserve a resident slot, waiting while every resident adapter serves a running request."""
+        async with self._freed:
+            while True:
+                try:
+                    return self.adapters.acquire(adapter)
+                except AllAdaptersBusy:
+                    await self._freed.wait()
 
     def _result(self, output, job: SampleJob) -> SampleResult:
         sequences = []

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,11 +52,25 @@ class SamplingStats:
     sampled_tokens: int = 0
     prompt_tokens: int = 0
     busy_seconds: float = 0.0
+    """Wall-clock time with at least one request of this base model running (overlaps counted once)."""
+    _running: int = field(default=0, repr=False)
+    _busy_since: float = field(default=0.0, repr=False)
     drift_probes: int = 0
     drift_last: float | None = None
     drift_max: float = 0.0
     drift_sum: float = 0.0
     _probing: bool = field(default=False, repr=False)
+
+    def started(self) -> None:
+        if not self._running:
+            self._busy_since = time.perf_counter()
+        self._running += 1
+        self.requests += 1
+
+    def finished(self) -> None:
+        self._running -= 1
+        if not self._running:
+            self.busy_seconds += time.perf_counter() - self._busy_since
 
     def as_dict(self) -> dict:
         return {
@@ -147,6 +162,7 @@ class SamplingService:
         directory = self.checkpoints.directory(path)
         if ckpt is None or not directory.exists():
             raise UserError(f"sampler checkpoint {path} not found")
+        self._base(ckpt["base_model"])  # trained on a base model this server no longer serves
         return ckpt, directory
 
     # ---- ephemeral sampler weights ---------------------------------------------------------------------------------
@@ -213,9 +229,12 @@ class SamplingService:
     def asample(self, owner: str, req: types.SampleRequest, idem: str | None) -> dict:
         """Answer ``{request_id, sample_sequence_ids}`` at once; a bad request answers a future failed as a user
         error, like the training routes."""
-        prefix = req.sampling_session_id or "sample"
-        sequence_ids = [f"{prefix}:{req.seq_id}:{i}" for i in range(max(0, min(req.num_samples,
-                                                                                self.options.max_num_samples)))]
+        if req.sampling_session_id is not None and req.seq_id is not None:
+            prefix = f"{req.sampling_session_id}:{req.seq_id}"
+        else:  # a one-off request outside a sampling session
+            prefix = f"sample-{uuid.uuid4().hex}"
+        count = max(0, min(req.num_samples, self.options.max_num_samples))
+        sequence_ids = [f"{prefix}:{i}" for i in range(count)]
         try:
             base_model, row = self._resolve(owner, req)
             job = decode_sample_request(req, self.limits[base_model])
@@ -226,14 +245,14 @@ class SamplingService:
         async def run() -> Payload:
             adapter = self._adapter(row)
             stats = self.stats[base_model]
-            started = time.perf_counter()
-            stats.requests += 1
+            stats.started()
             try:
                 result = await self.samplers.sample(base_model, adapter, job)
             except Exception:
                 stats.failed += 1
                 raise
-            stats.busy_seconds += time.perf_counter() - started
+            finally:
+                stats.finished()
             stats.sequences += len(result.sequences)
             stats.sampled_tokens += sum(len(s.tokens) for s in result.sequences)
             stats.prompt_tokens += len(job.prompt)

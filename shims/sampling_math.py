@@ -92,8 +92,8 @@ def score_prompt(logprobs: torch.Tensor, job: SampleJob, generator: torch.Genera
 
 
 class StopMatcher:
-    """Decides when one sequence stops: on a stop token id, the end-of-sequence token (unless the request replaced the
-    implicit stop), or a stop string appearing in the decoded text. The token that completes a stop is kept in the
+    """Decides when one sequence stops: on a stop token id, the end-of-sequence token (unless ``stop=[]`` turned every
+    stop off), or a stop string appearing in the decoded text. The token that completes a stop is kept in the
     sequence, as the tinker SDK's renderers expect when they parse a response."""
 
     def __init__(self, job: SampleJob, eos_ids: Sequence[int], decode: Callable[[list[int]], str]) -> None:

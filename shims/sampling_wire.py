@@ -54,8 +54,8 @@ class SampleJob:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     stop_at_eos: bool = True
-    """Tinker's rule: ``stop=None`` keeps the model's implicit end-of-sequence stop; an explicit ``stop`` list
-    (including ``[]``) replaces it, so ``[]`` samples until ``max_tokens``."""
+    """The SDK's rule: the model's end-of-sequence token stops sampling, alongside any ``stop`` given, except that
+    ``stop=[]`` disables every stop, EOS included, so sampling runs to ``max_tokens``."""
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
@@ -147,6 +147,10 @@ def _stop(params: types.SamplingParams, vocab_size: int) -> tuple[tuple[str, ...
     raise UserError("sampling_params.stop must be a string, a list of strings, or a list of token ids")
 
 
+def _disables_all_stops(stop) -> bool:
+    return stop is not None and not isinstance(stop, str) and len(stop) == 0
+
+
 def _target_ids(td, prompt_len: int, limits: SamplingLimits) -> TargetIds:
     if td.dtype != "int64":
         raise UserError(f"target_prompt_logprobs must be an int64 tensor of token ids, got {td.dtype}")
@@ -220,7 +224,7 @@ def decode_sample_request(req: types.SampleRequest, limits: SamplingLimits) -> S
         prompt=tuple(prompt), num_samples=req.num_samples, max_tokens=max_tokens, temperature=params.temperature,
         top_k=max(params.top_k, 0), top_p=params.top_p,
         seed=None if params.seed is None else params.seed % 2**63,
-        stop_strings=stop_strings, stop_token_ids=stop_tokens, stop_at_eos=params.stop is None,
+        stop_strings=stop_strings, stop_token_ids=stop_tokens, stop_at_eos=not _disables_all_stops(params.stop),
         prompt_logprobs=bool(req.prompt_logprobs),
         topk_prompt_logprobs=_check_k("topk_prompt_logprobs", req.topk_prompt_logprobs, limits),
         topk_sample_logprobs=_check_k("topk_sample_logprobs", req.topk_sample_logprobs, limits),

@@ -173,3 +173,33 @@ def test_pool_routes_an_adapter_to_the_replica_that_holds_it():
     base.replicas[0].in_flight = 0
     assert pool._route(base, a) == 1
     assert pool._route(base, None) == 0
+
+
+def test_one_unloadable_adapter_fails_only_its_own_request(make_sampler, adapters, tmp_path):
+    from shims.errors import UserError
+
+    sampler = make_sampler()
+    missing = AdapterRef("missing", str(tmp_path / "nothing-here"))
+    expected = run(sampler.sample(adapters[0], scoring_job()))
+
+    async def together():
+        return await asyncio.gather(sampler.sample(missing, scoring_job()), sampler.sample(adapters[0], scoring_job()),
+                                    return_exceptions=True)
+
+    bad, good = run(together())
+    assert isinstance(bad, UserError) and "missing" in str(bad)
+    assert good.sequences[0].tokens == expected.sequences[0].tokens
+
+
+def test_two_versions_of_one_key_in_flight_together(make_sampler, adapters):
+    sampler = make_sampler()
+    a, b = adapters
+    direct = [run(sampler.sample(ref, scoring_job())) for ref in adapters]
+
+    async def together():
+        return await asyncio.gather(sampler.sample(AdapterRef("inflight", a.directory, version=1), scoring_job()),
+                                    sampler.sample(AdapterRef("inflight", b.directory, version=2), scoring_job()))
+
+    old, new = run(together())
+    np.testing.assert_allclose(old.prompt.logprobs[1:], direct[0].prompt.logprobs[1:], atol=1e-5)
+    np.testing.assert_allclose(new.prompt.logprobs[1:], direct[1].prompt.logprobs[1:], atol=1e-5)

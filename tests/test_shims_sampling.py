@@ -9,7 +9,7 @@ import torch
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
-from adapters.sampler import AdapterRef, ResidentAdapters
+from adapters.sampler import AdapterRef, AllAdaptersBusy, ResidentAdapters
 from shims.errors import UserError
 from shims.sampling_math import StopMatcher, choose_token, filtered_probs, score_prompt, sequence_generators
 from shims.sampling_wire import (
@@ -42,7 +42,7 @@ def test_decode_normalises_parameters():
         max_tokens=5, temperature=0.5, top_k=-1, top_p=0.9, seed=-7, stop="\n\n")), LIMITS)
     assert (job.prompt, job.num_samples, job.max_tokens, job.temperature) == ((1, 2, 3, 4), 3, 5, 0.5)
     assert job.top_k == 0 and job.top_p == 0.9 and job.seed == (-7) % 2**63
-    assert job.stop_strings == ("\n\n",) and job.stop_token_ids == () and not job.stop_at_eos
+    assert job.stop_strings == ("\n\n",) and job.stop_token_ids == () and job.stop_at_eos
     assert decode_sample_request(request(sampling_params=types.SamplingParams(stop=[7, 9])), LIMITS).stop_token_ids \
         == (7, 9)
     default = decode_sample_request(request(sampling_params=types.SamplingParams()), LIMITS)
@@ -198,16 +198,30 @@ def test_resident_adapters_evict_least_recently_used_and_reload_changed_weights(
     a, b, c = (AdapterRef(k, f"/d/{k}") for k in "abc")
     first = lru.acquire(a)
     assert first.load and first.evicted == ()
-    lru.release("a")
-    assert lru.acquire(b).load
-    lru.release("b")
+    lru.release("a", first.slot_id)
+    second = lru.acquire(b)
+    assert second.load
+    lru.release("b", second.slot_id)
     assert not lru.acquire(a).load  # resident: no reload, and now the most recently used
-    lru.release("a")
+    lru.release("a", first.slot_id)
     third = lru.acquire(c)
-    assert third.load and len(third.evicted) == 1 and lru.keys() == ["a", "c"]  # b was least recently used
-    lru.release("c")
+    assert third.load and third.evicted == (second.slot_id,) and lru.keys() == ["a", "c"]  # b was least recent
+    lru.release("c", third.slot_id)
     newer = lru.acquire(AdapterRef("a", "/d/a2", version=1))
     assert newer.load and newer.evicted == (first.slot_id,) and newer.slot_id != first.slot_id
-    assert lru.acquire(b).evicted == (third.slot_id,)  # c was the only one not in use
-    with pytest.raises(RuntimeError, match="in use"):
-        lru.acquire(c)  # a and b both serve running batches
+    fourth = lru.acquire(b)
+    assert fourth.evicted == (third.slot_id,)  # c was the only one not in use
+    with pytest.raises(AllAdaptersBusy):
+        lru.acquire(c)  # a and b both serve running requests
+
+
+def test_newer_weights_arriving_while_old_ones_are_in_use():
+    """An inflight save during sampling: the old slot keeps serving its request, then is unloaded."""
+    lru = ResidentAdapters(2)
+    old = lru.acquire(AdapterRef("k", "/v1", version=1))
+    new = lru.acquire(AdapterRef("k", "/v2", version=2))
+    assert new.load and new.slot_id != old.slot_id and new.evicted == ()
+    assert lru.keys() == ["k"]
+    lru.release("k", old.slot_id)  # the old request finishes: its slot is owed an unload
+    other = lru.acquire(AdapterRef("x", "/x"))
+    assert other.evicted == (old.slot_id,)
