@@ -36,10 +36,51 @@ def _cross_entropy(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor
     return -(target_logprobs * inputs["weights"]).sum()
 
 
+def _ratio(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """p_θ / q per token: the learner's probability over the sampler's, from their logprobs."""
+    return torch.exp(target_logprobs - inputs["logprobs"])
+
+
+def _importance_sampling(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """``-(r · A).sum()`` with ``r = exp(logprobs_learner − logprobs_sampler)``, unclipped (Tinker's definition)."""
+    return -(_ratio(target_logprobs, inputs) * inputs["advantages"]).sum()
+
+
+def _ppo(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """``-min(r·A, clamp(r, lo, hi)·A).sum()`` per token. ``clip_low_threshold`` / ``clip_high_threshold`` are
+    absolute ratio bounds (defaults 0.8 / 1.2, as Tinker's docs give), not ε."""
+    ratio, advantages = _ratio(target_logprobs, inputs), inputs["advantages"]
+    clipped = torch.clamp(ratio, float(config["clip_low_threshold"]), float(config["clip_high_threshold"]))
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum()
+
+
+def _cispo(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """``-(sg(clamp(r, lo, hi)) · logprobs_learner · A).sum()``: the clipped ratio only weights the policy gradient
+    (no gradient through it). Defaults 0.0 / 4.0 — the one-sided clip Tinker's docs give."""
+    weight = torch.clamp(_ratio(target_logprobs, inputs), float(config["clip_low_threshold"]),
+                         float(config["clip_high_threshold"])).detach()
+    return -(weight * target_logprobs * inputs["advantages"]).sum()
+
+
+def _dro(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """``-(logprobs_learner · A − ½ β (logprobs_learner − logprobs_sampler)²).sum()``. Tinker's docs show β only as an
+    example (0.05) and state no default; 0.05 is used as the default, as other Tinker-compatible servers do."""
+    beta = float(config["beta"])
+    drift = target_logprobs - inputs["logprobs"]
+    return -(target_logprobs * inputs["advantages"] - 0.5 * beta * drift**2).sum()
+
+
+RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+CLIP = ("clip_low_threshold", "clip_high_threshold")
+
 LOSSES: dict[str, LossSpec] = {
     spec.name: spec
     for spec in [
         LossSpec("cross_entropy", _cross_entropy, required_inputs=("target_tokens", "weights")),
+        LossSpec("importance_sampling", _importance_sampling, required_inputs=RL_INPUTS),
+        LossSpec("ppo", _ppo, required_inputs=RL_INPUTS, config_defaults=dict(zip(CLIP, (0.8, 1.2)))),
+        LossSpec("cispo", _cispo, required_inputs=RL_INPUTS, config_defaults=dict(zip(CLIP, (0.0, 4.0)))),
+        LossSpec("dro", _dro, required_inputs=RL_INPUTS, config_defaults={"beta": 0.05}),
     ]
 }
 
@@ -53,7 +94,16 @@ def resolve_config(loss_fn: str, config: Config) -> dict[str, float | str]:
     if unknown:
         allowed = ", ".join(sorted(spec.config_defaults)) or "none"
         raise UserError(f"loss_fn_config keys {unknown} are not used by {loss_fn!r} (accepted keys: {allowed})")
-    return {**spec.config_defaults, **config}
+    resolved = {**spec.config_defaults, **config}
+    for key, value in resolved.items():
+        if isinstance(spec.config_defaults[key], float) and (
+                isinstance(value, str) or not np.isfinite(value)):
+            raise UserError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
+    if "clip_low_threshold" in resolved and not \
+            0 <= resolved["clip_low_threshold"] <= resolved["clip_high_threshold"]:
+        raise UserError("loss_fn_config needs 0 ≤ clip_low_threshold ≤ clip_high_threshold, got "
+                        f"{resolved['clip_low_threshold']} and {resolved['clip_high_threshold']}")
+    return resolved
 
 
 def check_datum(loss_fn: str, index: int, tokens: np.ndarray, inputs: Mapping[str, np.ndarray], *,

@@ -61,3 +61,23 @@ def reference_logprobs(model, datum: types.Datum) -> torch.Tensor:
     tokens, targets, _ = datum_arrays(datum)
     logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets)[:, None])[:, 0]
+
+
+def reference_rl(loss_fn: str, learner, sampler, advantages, config) -> tuple[float, np.ndarray]:
+    """Per-token values and d loss / d learner, from the formulas written out by hand (no autograd)."""
+    r = np.exp(learner - sampler)
+    if loss_fn == "importance_sampling":
+        return float(-(r * advantages).sum()), -r * advantages
+    if loss_fn == "ppo":
+        lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+        unclipped, clipped = r * advantages, np.clip(r, lo, hi) * advantages
+        takes_unclipped = (unclipped <= clipped) | ((r >= lo) & (r <= hi))
+        return float(-np.minimum(unclipped, clipped).sum()), np.where(takes_unclipped, -r * advantages, 0.0)
+    if loss_fn == "cispo":
+        w = np.clip(r, config["clip_low_threshold"], config["clip_high_threshold"])
+        return float(-(w * learner * advantages).sum()), -w * advantages
+    if loss_fn == "dro":
+        beta = config["beta"]
+        value = -(learner * advantages - 0.5 * beta * (learner - sampler) ** 2).sum()
+        return float(value), -(advantages - beta * (learner - sampler))
+    raise AssertionError(loss_fn)
