@@ -125,12 +125,12 @@ class SamplingService:
                 raise UserError(f"sampling session {sampler_id} already exists with different weights")
             return sampler_id
         if req.model_path:
-            ckpt, directory = self._sampler_checkpoint(owner, req.model_path)
+            ckpt, ref = self._sampler_checkpoint(owner, req.model_path)
             if req.base_model and req.base_model != ckpt["base_model"]:
                 raise UserError(f"{req.model_path} was trained on {ckpt['base_model']}, not {req.base_model}")
             self.records.create_sampler(sampler_id, session_id=req.session_id, owner=owner,
                                         base_model=ckpt["base_model"], kind="checkpoint", model_path=req.model_path,
-                                        adapter_key=f"{req.model_path}@{ckpt['created']}", adapter_dir=str(directory))
+                                        adapter_key=ref.key, adapter_dir=ref.directory)
         elif req.base_model:
             self._base(req.base_model)
             self.records.create_sampler(sampler_id, session_id=req.session_id, owner=owner,
@@ -153,7 +153,9 @@ class SamplingService:
             raise UserError(f"unknown base model {name!r}; this server serves: {', '.join(self.base_models)}")
         return spec
 
-    def _sampler_checkpoint(self, owner: str, path: str) -> tuple[dict, Path]:
+    def _sampler_checkpoint(self, owner: str, path: str) -> tuple[dict, AdapterRef]:
+        """The checkpoint's record and the weights it names. The key includes the save time, so weights saved
+        again under a reused name are never mistaken for the ones a sampler already holds."""
         parsed = parse_path(path)
         if parsed.checkpoint_type != "sampler":
             raise UserError(f"{path} holds training state (weights/); sample from sampler weights instead: save them "
@@ -163,7 +165,7 @@ class SamplingService:
         if ckpt is None or not directory.exists():
             raise UserError(f"sampler checkpoint {path} not found")
         self._base(ckpt["base_model"])  # trained on a base model this server no longer serves
-        return ckpt, directory
+        return ckpt, AdapterRef(f"{path}@{ckpt['created']}", str(directory))
 
     # ---- ephemeral sampler weights ---------------------------------------------------------------------------------
     def ephemeral_directory(self, model_id: str) -> Path:
@@ -203,9 +205,9 @@ class SamplingService:
                 raise UserError(f"unknown sampling session {req.sampling_session_id!r}")
             return row["base_model"], row
         if req.model_path:
-            ckpt, directory = self._sampler_checkpoint(owner, req.model_path)
-            return ckpt["base_model"], {"kind": "checkpoint", "adapter_key": f"{req.model_path}@{ckpt['created']}",
-                                        "adapter_dir": str(directory), "id": req.model_path}
+            ckpt, ref = self._sampler_checkpoint(owner, req.model_path)
+            return ckpt["base_model"], {"kind": "checkpoint", "adapter_key": ref.key, "adapter_dir": ref.directory,
+                                        "id": req.model_path}
         if req.base_model:
             return self._base(req.base_model).name, None
         raise UserError("a sample request needs a sampling_session_id, a model_path or a base_model")
