@@ -70,6 +70,9 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--ephemeral-keep", type=int, default=d.ephemeral_keep,
                         help="unnamed sampler saves (save_weights_and_get_sampling_client) kept per training model "
                              "(default: %(default)s)")
+    parser.add_argument("--stability-ttl", type=float, default=d.stability_ttl,
+                        help="seconds that stability info recorded at sampling (record_stability_info, for the "
+                             "stable_reinforce loss) stays usable after its last use (default: %(default)s, a day)")
     parser.add_argument("--poll-hold-seconds", type=float, default=d.poll_hold_seconds,
                         help="how long retrieve_future waits for a result before answering try_again "
                              "(default: %(default)s)")
@@ -109,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         vllm_max_lora_rank=args.vllm_max_lora_rank, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k,
         drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
-        poll_hold_seconds=args.poll_hold_seconds,
+        stability_ttl=args.stability_ttl, poll_hold_seconds=args.poll_hold_seconds,
         seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
         log_level=args.log_level,
     )

@@ -39,6 +39,7 @@ class ServerConfig:
     max_logprobs_k: int = 64
     drift_probe_every: int = 50
     ephemeral_keep: int = 8
+    stability_ttl: float = 86400.0
     poll_hold_seconds: float = 5.0
     seq_gap_timeout: float = 120.0
     max_body_mb: int = 64
@@ -55,6 +56,7 @@ class ServerConfig:
             (self.max_logprobs_k >= 0, "--max-logprobs-k must be 0 or more"),
             (self.drift_probe_every >= 0, "--drift-probe-every must be 0 (off) or more"),
             (self.ephemeral_keep >= 1, "--ephemeral-keep must be at least 1"),
+            (self.stability_ttl > 0, "--stability-ttl must be > 0"),
             (self.vllm_max_lora_rank >= 1, "--vllm-max-lora-rank must be at least 1"),
             (self.vllm_gpu_memory_utilization is None or 0 < self.vllm_gpu_memory_utilization <= 1,
              "--vllm-gpu-memory-utilization must be in (0, 1]"),

@@ -58,11 +58,16 @@ class Records:
             "id": str, "session_id": str, "owner": str, "base_model": str, "kind": str, "model_path": str,
             "model_id": str, "adapter_key": str, "adapter_dir": str, "created": str,
         }, pk="id", if_not_exists=True)
+        db["stability_records"].create({
+            "sequence_id": str, "session_id": str, "owner": str, "prompt": str, "tokens": str, "logprobs": str,
+            "created": str, "last_used": str,
+        }, pk="sequence_id", if_not_exists=True)
         db["telemetry"].create({"id": int, "owner": str, "session_id": str, "events": int, "received": str},
                                pk="id", if_not_exists=True)
         db["futures"].create_index(["owner", "idempotency_key"], if_not_exists=True)
         db["models"].create_index(["owner"], if_not_exists=True)
         db["checkpoints"].create_index(["training_run_id"], if_not_exists=True)
+        db["stability_records"].create_index(["last_used"], if_not_exists=True)
 
     # ---- sessions -------------------------------------------------------------------------------------------------
     def create_session(self, session_id: str, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
@@ -172,6 +177,34 @@ class Records:
 
     def sampler(self, sampler_id: str, owner: str) -> dict | None:
         return self._owned("samplers", sampler_id, owner)
+
+    # ---- stability info (stable_reinforce) -------------------------------------------------------------------------
+    def record_sequences(self, owner: str, session_id: str,
+                         sequences: list[tuple[str, list[int], list[int], list[float]]]) -> None:
+        """Store (sequence_id, prompt, sampled tokens, sampler logprobs) per sampled sequence; a retried request
+        replaces its own rows."""
+        stamp = now()
+        self.db["stability_records"].insert_all(({
+            "sequence_id": sequence_id, "session_id": session_id, "owner": owner, "prompt": json.dumps(prompt),
+            "tokens": json.dumps(tokens), "logprobs": json.dumps(logprobs), "created": stamp, "last_used": stamp,
+        } for sequence_id, prompt, tokens, logprobs in sequences), replace=True)
+
+    def recorded_sequence(self, sequence_id: str, owner: str) -> dict | None:
+        row = self._owned("stability_records", sequence_id, owner)
+        if row is not None:
+            row.update({key: json.loads(row[key]) for key in ("prompt", "tokens", "logprobs")})
+        return row
+
+    def touch_sequences(self, sequence_ids: list[str]) -> None:
+        stamp = now()
+        with self.db.conn:
+            self.db.conn.executemany("UPDATE stability_records SET last_used = ? WHERE sequence_id = ?",
+                                     [(stamp, sid) for sid in sequence_ids])
+
+    def purge_sequences(self, unused_since: str) -> int:
+        """Delete stability records not used since ``unused_since``; returns how many."""
+        with self.db.conn:
+            return self.db.conn.execute("DELETE FROM stability_records WHERE last_used < ?", [unused_since]).rowcount
 
     # ---- helpers --------------------------------------------------------------------------------------------------
     def _owned(self, table: str, pk: str, owner: str) -> dict | None:

@@ -26,6 +26,7 @@ from compat_server.checkpoints import CheckpointStore, parse_path
 from compat_server.futures import PROTOBUF, Payload
 from compat_server.records import Records
 from compat_server.scheduler import Scheduler
+from compat_server.stability import StabilityStore
 from shims.errors import UserError
 from shims.sampling_wire import SampleJob, SampleResult, SamplingLimits, decode_sample_request, encode_sample_response
 
@@ -40,6 +41,8 @@ class SamplingOptions:
     """Re-score one sampled sequence with the trainer every this many sample requests per base model (0: never)."""
     ephemeral_keep: int = 8
     """Unnamed sampler saves (snapshots and inflight versions) kept on disk per training model."""
+    stability_ttl_seconds: float = 86400.0
+    """How long recorded stability info stays usable after its last use (Tinker: one day)."""
 
 
 @dataclass
@@ -99,6 +102,7 @@ class SamplingService:
         self.checkpoints = checkpoints
         self.base_models = base_models
         self.options = options
+        self.stability = StabilityStore(records, options.stability_ttl_seconds)
         self.limits = {
             name: SamplingLimits(vocab_size=facts.vocab_size, max_context=facts.max_context,
                                  max_num_samples=options.max_num_samples, max_logprobs_k=options.max_logprobs_k)
@@ -240,6 +244,9 @@ class SamplingService:
         try:
             base_model, row = self._resolve(owner, req)
             job = decode_sample_request(req, self.limits[base_model])
+            if job.record_stability_info and row is None:
+                raise UserError("record_stability_info needs a sampling session (stability info belongs to the "
+                                "session that sampled it): sample through a sampling client")
         except UserError as exc:
             request_id = self.scheduler.fail_now(owner=owner, kind="sample", message=str(exc), idempotency_key=idem)
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
@@ -258,6 +265,9 @@ class SamplingService:
             stats.sequences += len(result.sequences)
             stats.sampled_tokens += sum(len(s.tokens) for s in result.sequences)
             stats.prompt_tokens += len(job.prompt)
+            if job.record_stability_info:
+                self.stability.record(owner, row["session_id"], sequence_ids, job.prompt,
+                                      [(s.tokens, s.logprobs) for s in result.sequences])
             self._maybe_probe(base_model, adapter, job, result)
             return Payload(PROTOBUF, encode_sample_response(result, job))
 

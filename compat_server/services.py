@@ -96,7 +96,8 @@ async def start_services(config: ServerConfig) -> Services:
                                SamplingOptions(max_num_samples=config.max_num_samples,
                                                max_logprobs_k=config.max_logprobs_k,
                                                drift_probe_every=config.drift_probe_every,
-                                               ephemeral_keep=config.ephemeral_keep))
+                                               ephemeral_keep=config.ephemeral_keep,
+                                               stability_ttl_seconds=config.stability_ttl))
     training = TrainingService(records, scheduler, checkpoints, base_models, sampling)
     return Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling, base_models=base_models)

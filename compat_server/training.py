@@ -138,8 +138,9 @@ class TrainingService:
         kind = "forward" if batch.forward_only else "forward_backward"
 
         async def job(row: dict) -> Payload:
+            data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
             result: StepResult = await self.scheduler.trainer(
-                row["base_model"], "forward_backward", batch.model_id, batch.data, batch.loss_fn,
+                row["base_model"], "forward_backward", batch.model_id, data, batch.loss_fn,
                 batch.loss_fn_config, batch.forward_only)
             log.info("%s done: %s seq %d, %s %s, %d tokens, %.0f tokens/s", kind, batch.model_id, batch.seq_id,
                      batch.loss_fn, " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()), result.num_tokens,

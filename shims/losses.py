@@ -29,6 +29,8 @@ class LossSpec:
     required_inputs: tuple[str, ...]
     int_inputs: tuple[str, ...] = ("target_tokens",)
     config_defaults: dict[str, float | str] = field(default_factory=dict)
+    server_inputs: tuple[str, ...] = ()
+    """Inputs the server attaches itself (from what it recorded at sampling time); a client may not send them."""
 
 
 def _cross_entropy(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
@@ -70,6 +72,43 @@ def _dro(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config:
     return -(target_logprobs * inputs["advantages"] - 0.5 * beta * drift**2).sum()
 
 
+def _gspo(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """GSPO-token, as Tinker documents it: every token carries the value of the sequence ratio
+    ``s = exp(mean over sequence_ratio_mask of (logprobs_learner − logprobs_sampler))`` with the gradient of its own
+    log-probability, then the PPO objective ``-min(s_t·A, clamp(s_t, lo, hi)·A).sum()``.
+
+    The bounds are absolute ratio bounds, like ppo's. Tinker's page gives them as ``1 − ε_low`` / ``1 + ε_high`` but
+    no default survives in what could be read; the defaults here are the GSPO paper's ε = 3e-4 / 4e-4 (0.9997 /
+    1.0004), because a sequence-level (geometric-mean) ratio moves far less than a token ratio and PPO's 0.8 / 1.2
+    would never clip it.
+    """
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    log_ratio = (target_logprobs.detach() - inputs["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(log_ratio + target_logprobs - target_logprobs.detach())
+    advantages = inputs["advantages"]
+    clipped = torch.clamp(ratio, float(config["clip_low_threshold"]), float(config["clip_high_threshold"]))
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum()
+
+
+def _stable_reinforce(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """A documented stand-in: Tinker's StableReinforce objective is not public (its page describes only the
+    protocol). This is truncated-importance-weighted REINFORCE against what the sampler recorded:
+
+    ``q_t`` = the sampler's logprob recorded at sampling time for tokens the provenance spans name as sampled
+    (``recorded_mask``), the client's ``logprobs`` elsewhere; ``w_t = sg(min(exp(logprobs_learner − q_t),
+    clip_high_threshold))``; ``loss = -(w · logprobs_learner · A).sum() + kl_coeff · Σ_sampled ½(logprobs_learner −
+    q)²``. The stop-gradient weight keeps every token's gradient bounded however far the policies drift (the
+    instability plain importance sampling suffers), and the recorded logprobs are the sampler's own numbers, not a
+    copy the client may have altered. Defaults: ``clip_high_threshold`` 2.0, ``kl_coeff`` 0.0.
+    """
+    recorded = inputs["recorded_mask"] != 0
+    sampler_logprobs = torch.where(recorded, inputs["recorded_logprobs"], inputs["logprobs"])
+    drift = target_logprobs - sampler_logprobs
+    weight = torch.clamp(torch.exp(drift), max=float(config["clip_high_threshold"])).detach()
+    penalty = 0.5 * float(config["kl_coeff"]) * (drift[recorded] ** 2).sum()
+    return -(weight * target_logprobs * inputs["advantages"]).sum() + penalty
+
+
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 CLIP = ("clip_low_threshold", "clip_high_threshold")
 
@@ -81,6 +120,11 @@ LOSSES: dict[str, LossSpec] = {
         LossSpec("ppo", _ppo, required_inputs=RL_INPUTS, config_defaults=dict(zip(CLIP, (0.8, 1.2)))),
         LossSpec("cispo", _cispo, required_inputs=RL_INPUTS, config_defaults=dict(zip(CLIP, (0.0, 4.0)))),
         LossSpec("dro", _dro, required_inputs=RL_INPUTS, config_defaults={"beta": 0.05}),
+        LossSpec("gspo", _gspo, required_inputs=(*RL_INPUTS, "sequence_ratio_mask"),
+                 config_defaults=dict(zip(CLIP, (1 - 3e-4, 1 + 4e-4)))),
+        LossSpec("stable_reinforce", _stable_reinforce, required_inputs=RL_INPUTS,
+                 config_defaults={"clip_high_threshold": 2.0, "kl_coeff": 0.0},
+                 server_inputs=("recorded_logprobs", "recorded_mask")),
     ]
 }
 
@@ -103,6 +147,9 @@ def resolve_config(loss_fn: str, config: Config) -> dict[str, float | str]:
             0 <= resolved["clip_low_threshold"] <= resolved["clip_high_threshold"]:
         raise UserError("loss_fn_config needs 0 ≤ clip_low_threshold ≤ clip_high_threshold, got "
                         f"{resolved['clip_low_threshold']} and {resolved['clip_high_threshold']}")
+    for key in ("clip_high_threshold", "beta", "kl_coeff"):
+        if key in resolved and resolved[key] < 0:
+            raise UserError(f"loss_fn_config[{key!r}] must not be negative, got {resolved[key]}")
     return resolved
 
 
@@ -118,10 +165,10 @@ def check_datum(loss_fn: str, index: int, tokens: np.ndarray, inputs: Mapping[st
         raise UserError(f"{where}: {n} input tokens exceed the model's maximum context length of {max_context}")
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise UserError(f"{where}: model_input token ids must lie in [0, {vocab_size}), got {tokens.min()}..{tokens.max()}")
-    missing = [name for name in spec.required_inputs if name not in inputs]
+    missing = [name for name in spec.required_inputs + spec.server_inputs if name not in inputs]
     if missing:
         raise UserError(f"{where}: loss {loss_fn!r} needs loss_fn_inputs {missing}; got {sorted(inputs)}")
-    extra = sorted(set(inputs) - set(spec.required_inputs))
+    extra = sorted(set(inputs) - set(spec.required_inputs) - set(spec.server_inputs))
     if extra:
         raise UserError(f"{where}: loss {loss_fn!r} does not use loss_fn_inputs {extra}")
     target_shape = inputs["target_tokens"].shape
@@ -138,6 +185,9 @@ def check_datum(loss_fn: str, index: int, tokens: np.ndarray, inputs: Mapping[st
                 raise UserError(f"{where}: {name} ids must lie in [0, {vocab_size}), got {array.min()}..{array.max()}")
         elif not np.all(np.isfinite(array)):
             raise UserError(f"{where}: {name} contains NaN or infinite values")
+    if "sequence_ratio_mask" in inputs and not np.any(inputs["sequence_ratio_mask"]):
+        raise UserError(f"{where}: sequence_ratio_mask marks no token, so the sequence ratio is undefined; mark the "
+                        "sampled tokens with 1")
 
 
 def datum_loss(loss_fn: str, target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor],

@@ -9,6 +9,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from shims.errors import UserError
+from shims.provenance import Span, check_tiling, spans_from_proto
 from shims.tensors import batched_tensor, tensor_from_proto, tokens_from_chunks
 
 
@@ -31,6 +32,9 @@ class DatumArrays:
 
     tokens: np.ndarray
     loss_fn_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    model_input_spans: list[Span] | None = None
+    loss_fn_input_spans: list[Span] | None = None
+    """Provenance (see ``shims.provenance``): both lists or neither."""
 
 
 @dataclass
@@ -71,13 +75,29 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
         try:
             tokens = tokens_from_chunks(datum.model_input)
             inputs = {name: tensor_from_proto(t, name) for name, t in datum.loss_fn_inputs.items()}
+            model_spans, target_spans = _provenance(datum, tokens, inputs)
         except UserError as exc:
             raise RejectedRequest(f"datum {i}: {exc}", msg.model_id, msg.seq_id, msg.forward_only) from None
-        data.append(DatumArrays(tokens=tokens, loss_fn_inputs=inputs))
+        data.append(DatumArrays(tokens=tokens, loss_fn_inputs=inputs, model_input_spans=model_spans,
+                                loss_fn_input_spans=target_spans))
     return ForwardBackwardBatch(
         model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn or "cross_entropy", loss_fn_config=config,
         forward_only=msg.forward_only, data=data,
     )
+
+
+def _provenance(datum: pb.Datum, tokens: np.ndarray,
+                inputs: dict[str, np.ndarray]) -> tuple[list[Span] | None, list[Span] | None]:
+    if not datum.model_input_spans and not datum.loss_fn_input_spans:
+        return None, None
+    if not datum.model_input_spans or not datum.loss_fn_input_spans:
+        raise UserError("model_input_spans and loss_fn_input_spans come as a pair: send both or neither")
+    model_spans = spans_from_proto(datum.model_input_spans, "model_input_spans")
+    target_spans = spans_from_proto(datum.loss_fn_input_spans, "loss_fn_input_spans")
+    check_tiling(model_spans, tokens.size, "model_input_spans", "model_input")
+    if "target_tokens" in inputs:
+        check_tiling(target_spans, inputs["target_tokens"].shape[0], "loss_fn_input_spans", "target_tokens")
+    return model_spans, target_spans
 
 
 def _layout(output: dict[str, np.ndarray]) -> tuple:

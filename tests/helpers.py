@@ -5,11 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
+import tinker
 import torch
 from tinker import types
 
 BASE_MODEL = "compat-server/tiny-qwen3"
 ADAM = types.AdamParams(learning_rate=1e-3)
+
+
+def expect_user_error(future, *fragments: str) -> None:
+    """The future fails as a user error whose message holds every fragment."""
+    with pytest.raises(tinker.RequestFailedError) as info:
+        future.result()
+    assert info.value.category == types.RequestErrorCategory.User
+    for fragment in fragments:
+        assert fragment in str(info.value)
 
 
 def make_datum(prompt: list[int], completion: list[int]) -> types.Datum:
@@ -81,3 +92,22 @@ def reference_rl(loss_fn: str, learner, sampler, advantages, config) -> tuple[fl
         value = -(learner * advantages - 0.5 * beta * (learner - sampler) ** 2).sum()
         return float(value), -(advantages - beta * (learner - sampler))
     raise AssertionError(loss_fn)
+
+
+def reference_gspo(learner, sampler, advantages, mask, lo, hi) -> tuple[float, np.ndarray]:
+    """GSPO-token by hand: every token's ratio has the value of the geometric-mean sequence ratio s over the masked
+    tokens, and d ratio_t / d learner_t = s (its own token only); then PPO's clipped minimum."""
+    s = np.exp(np.mean((learner - sampler)[mask != 0]))
+    unclipped, clipped = s * advantages, np.clip(s, lo, hi) * advantages
+    takes_unclipped = (unclipped <= clipped) | (lo <= s <= hi)
+    return float(-np.minimum(unclipped, clipped).sum()), np.where(takes_unclipped, -s * advantages, 0.0)
+
+
+def reference_stable_reinforce(learner, client_lp, advantages, recorded, recorded_mask, cap, kl_coeff):
+    """The stand-in objective by hand: q is the recorded sampler logprob where there is one; the weight min(p/q, cap)
+    is a constant; the KL term covers recorded tokens only."""
+    q = np.where(recorded_mask != 0, recorded, client_lp)
+    w = np.minimum(np.exp(learner - q), cap)
+    on = recorded_mask != 0
+    value = -(w * learner * advantages).sum() + 0.5 * kl_coeff * ((learner - q)[on] ** 2).sum()
+    return float(value), -w * advantages + kl_coeff * np.where(on, learner - q, 0.0)

@@ -8,7 +8,7 @@ import torch
 
 from shims.errors import UserError
 from shims.losses import check_datum, datum_loss, resolve_config
-from tests.helpers import reference_rl
+from tests.helpers import reference_gspo, reference_rl, reference_stable_reinforce
 
 
 @pytest.mark.parametrize("shape", [(7,), (5, 3)])
@@ -20,7 +20,7 @@ def test_cross_entropy_value_and_gradient(shape):
     lp = torch.tensor(logprobs, requires_grad=True)
     loss = datum_loss("cross_entropy", lp, {"weights": torch.tensor(weights)}, resolve_config("cross_entropy", {}))
     loss.backward()
-    assert float(loss) == pytest.approx(-np.sum(logprobs * weights), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(-np.sum(logprobs * weights), rel=1e-6)
     np.testing.assert_allclose(lp.grad.numpy(), -weights, rtol=1e-6)  # d/dlp of -sum(lp*w) is -w
 
 
@@ -100,3 +100,80 @@ def test_rl_loss_defaults_and_config_checks():
         resolve_config("ppo", {"clip_high_threshold": float("nan")})
     with pytest.raises(UserError, match=r"needs loss_fn_inputs \['logprobs', 'advantages'\]"):
         check_datum("ppo", 0, np.arange(4, dtype=np.int64), good_inputs(), vocab_size=50, max_context=10)
+
+
+@pytest.mark.parametrize(("config", "drift"), [
+    ({}, 0.0), ({}, 0.3), ({}, -0.3),  # default bounds: s ≈ 1 unclipped, or far outside and clipped
+    ({"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, 0.3),
+    ({"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, -1.2),
+])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gspo_value_and_gradient_match_reference(config, drift, seed):
+    rng = np.random.default_rng(seed)
+    n = 30
+    sampler = -rng.exponential(size=n)
+    learner = sampler + drift + rng.normal(scale=0.05, size=n)
+    advantages = rng.normal(size=n)
+    advantages[:5] = 0.0  # prompt positions
+    mask = np.ones(n)
+    mask[:5] = 0.0  # …which do not enter the sequence ratio
+    resolved = resolve_config("gspo", config)
+    lp = torch.tensor(learner, requires_grad=True)
+    loss = datum_loss("gspo", lp, {"logprobs": torch.tensor(sampler), "advantages": torch.tensor(advantages),
+                                   "sequence_ratio_mask": torch.tensor(mask)}, resolved)
+    loss.backward()
+    value, grad = reference_gspo(learner, sampler, advantages, mask, resolved["clip_low_threshold"],
+                                 resolved["clip_high_threshold"])
+    assert float(loss.detach()) == pytest.approx(value, rel=1e-9, abs=1e-9)
+    np.testing.assert_allclose(lp.grad.numpy(), grad, rtol=1e-9, atol=1e-12)
+    # One ratio for the whole sequence: above the bound every positive-advantage token is clipped, below it every
+    # negative one; inside, every token with an advantage moves.
+    s = np.exp(np.mean((learner - sampler)[5:]))
+    lo, hi = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
+    frozen = advantages > 0 if s > hi else advantages < 0 if s < lo else advantages == 0
+    np.testing.assert_array_equal(lp.grad.numpy() == 0, frozen | (advantages == 0))
+
+
+def test_gspo_ratio_uses_only_masked_tokens():
+    learner = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
+    inputs = {"logprobs": torch.tensor([-1.0, -5.0, -3.0]), "advantages": torch.tensor([1.0, 1.0, 1.0]),
+              "sequence_ratio_mask": torch.tensor([1.0, 0.0, 1.0])}
+    loss = datum_loss("gspo", learner, inputs, resolve_config("gspo", {}))
+    # masked tokens have ratio 1 exactly, so the unmasked token's drift (e^3) never enters s
+    assert float(loss.detach()) == pytest.approx(-3.0)
+    with pytest.raises(UserError, match="sequence_ratio_mask marks no token"):
+        check_datum("gspo", 0, np.arange(3), {"target_tokens": np.arange(3), "logprobs": np.zeros(3, np.float32),
+                                              "advantages": np.zeros(3, np.float32),
+                                              "sequence_ratio_mask": np.zeros(3, np.float32)},
+                    vocab_size=50, max_context=10)
+
+
+@pytest.mark.parametrize("config", [{}, {"kl_coeff": 0.2}, {"clip_high_threshold": 1.1, "kl_coeff": 0.05}])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stable_reinforce_value_and_gradient_match_reference(config, seed):
+    learner, client_lp, advantages = rl_case(seed)
+    rng = np.random.default_rng(seed + 10)
+    recorded_mask = (rng.uniform(size=learner.size) > 0.2).astype(np.float64)
+    recorded = client_lp + rng.normal(scale=0.3, size=learner.size)  # the recorded numbers differ from the client's
+    resolved = resolve_config("stable_reinforce", config)
+    lp = torch.tensor(learner, requires_grad=True)
+    loss = datum_loss("stable_reinforce", lp, {
+        "logprobs": torch.tensor(client_lp), "advantages": torch.tensor(advantages),
+        "recorded_logprobs": torch.tensor(recorded), "recorded_mask": torch.tensor(recorded_mask)}, resolved)
+    loss.backward()
+    value, grad = reference_stable_reinforce(learner, client_lp, advantages, recorded, recorded_mask,
+                                             resolved["clip_high_threshold"], resolved["kl_coeff"])
+    assert float(loss.detach()) == pytest.approx(value, rel=1e-9, abs=1e-9)
+    np.testing.assert_allclose(lp.grad.numpy(), grad, rtol=1e-9, atol=1e-12)
+    assert np.abs(lp.grad.numpy()).max() <= resolved["clip_high_threshold"] * np.abs(advantages).max() + \
+        resolved["kl_coeff"] * np.abs(learner - recorded).max() + 1e-12  # bounded however far the policies drift
+
+
+def test_gspo_and_stable_reinforce_defaults_and_server_inputs():
+    assert resolve_config("gspo", {}) == pytest.approx({"clip_low_threshold": 0.9997, "clip_high_threshold": 1.0004})
+    assert resolve_config("stable_reinforce", {}) == {"clip_high_threshold": 2.0, "kl_coeff": 0.0}
+    with pytest.raises(UserError, match="must not be negative"):
+        resolve_config("stable_reinforce", {"kl_coeff": -1.0})
+    inputs = {"target_tokens": np.arange(4), "logprobs": np.zeros(4, np.float32), "advantages": np.ones(4, np.float32)}
+    with pytest.raises(UserError, match=r"needs loss_fn_inputs \['recorded_logprobs', 'recorded_mask'\]"):
+        check_datum("stable_reinforce", 0, np.arange(4), inputs, vocab_size=50, max_context=10)

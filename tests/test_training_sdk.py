@@ -15,6 +15,7 @@ from tests.helpers import (
     BASE_MODEL,
     checkpoint_dir,
     datum_arrays,
+    expect_user_error,
     forward_logprobs,
     make_datum,
     reference_logprobs,
@@ -140,14 +141,6 @@ def test_pipelined_submission_equals_waiting(service_client, datum):
                                rtol=0)
 
 
-def _expect_user_error(future, *fragments: str) -> None:
-    with pytest.raises(tinker.RequestFailedError) as info:
-        future.result()
-    assert info.value.category == types.RequestErrorCategory.User
-    for fragment in fragments:
-        assert fragment in str(info.value)
-
-
 @pytest.mark.timeout(100)  # a request stuck behind a missing seq_id would wait the 120 s gap timeout
 def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, datum, server):
     with pytest.raises(tinker.RequestFailedError) as info:
@@ -161,29 +154,29 @@ def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, 
         return types.Datum(model_input=types.ModelInput.from_ints(model_tokens), loss_fn_inputs=loss_inputs)
 
     too_big = custom([*tokens[:-1], 600_000], {"target_tokens": targets, "weights": weights})
-    _expect_user_error(client.forward_backward([too_big], "cross_entropy"), "token ids", "[0, 512)")
+    expect_user_error(client.forward_backward([too_big], "cross_entropy"), "token ids", "[0, 512)")
 
     short_weights = custom(tokens, {"target_tokens": targets, "weights": weights[:-2]})
-    _expect_user_error(client.forward_backward([short_weights], "cross_entropy"), "weights has shape")
+    expect_user_error(client.forward_backward([short_weights], "cross_entropy"), "weights has shape")
 
     nan_weights = custom(tokens, {"target_tokens": targets, "weights": np.where(weights > 0, np.nan, 0).astype(np.float32)})
-    _expect_user_error(client.forward_backward([nan_weights], "cross_entropy"), "NaN")
+    expect_user_error(client.forward_backward([nan_weights], "cross_entropy"), "NaN")
 
     long_tokens = list(range(2100))
     too_long = custom(long_tokens, {"target_tokens": np.array(long_tokens, dtype=np.int64) % 512,
                                     "weights": np.ones(2100, dtype=np.float32)})
-    _expect_user_error(client.forward_backward([too_long], "cross_entropy"), "maximum context length of 2048")
+    expect_user_error(client.forward_backward([too_long], "cross_entropy"), "maximum context length of 2048")
 
-    _expect_user_error(client.forward_backward([datum], "no_such_loss"), "unknown loss_fn")
+    expect_user_error(client.forward_backward([datum], "no_such_loss"), "unknown loss_fn")
 
     # Rejected while decoding, yet it takes its turn: the next request is not held up waiting for its seq_id.
     image = types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG", format="png")]),
                         loss_fn_inputs={"target_tokens": np.array([1], np.int64), "weights": np.ones(1, np.float32)})
-    _expect_user_error(client.forward_backward([image], "cross_entropy"), "'image' is not supported")
+    expect_user_error(client.forward_backward([image], "cross_entropy"), "'image' is not supported")
 
-    _expect_user_error(client.optim_step(types.AdamParams(learning_rate=1e-3, eps=0.0)), "eps must be > 0")
+    expect_user_error(client.optim_step(types.AdamParams(learning_rate=1e-3, eps=0.0)), "eps must be > 0")
 
-    _expect_user_error(client.forward_backward([datum], "cross_entropy", loss_fn_config={"clip": 0.2}),
+    expect_user_error(client.forward_backward([datum], "cross_entropy", loss_fn_config={"clip": 0.2}),
                        "loss_fn_config keys")
 
     # Nothing above touched the adapter: the same client still trains, and its first loss is the untrained one.
