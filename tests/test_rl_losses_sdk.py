@@ -157,3 +157,33 @@ def test_forward_backward_custom_gives_the_same_step_as_the_builtin_loss(service
     for a, b, old in zip(after[0], after[1], before):
         assert np.abs(a - old).max() > 1e-3  # the steps did move the model…
         np.testing.assert_allclose(a, b, atol=1e-5)  # …identically
+
+
+def test_several_targets_per_position(service_client):
+    """``(N, K)`` targets: each column's logprobs equal a one-target forward of that column, and the
+    importance_sampling loss over the grid equals the formula on them; a sparse CSR cross-entropy batch agrees."""
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    rng = np.random.default_rng(8)
+    tokens = types.ModelInput.from_ints(rng.integers(0, 500, size=7).tolist())
+    targets = rng.integers(0, 500, size=(7, 3))
+    sampler_lp = (-rng.exponential(size=(7, 3)) - 5).astype(np.float32)
+    advantages = rng.normal(size=(7, 3)).astype(np.float32)
+    out = client.forward_backward([types.Datum(model_input=tokens, loss_fn_inputs={
+        "target_tokens": targets, "logprobs": sampler_lp, "advantages": advantages})], "importance_sampling").result()
+    grid = out.loss_fn_outputs[0]["logprobs"].to_numpy().reshape(7, 3).astype(np.float64)
+    columns = client.forward([types.Datum(model_input=tokens, loss_fn_inputs={
+        "target_tokens": targets[:, k], "weights": np.ones(7, np.float32)}) for k in range(3)],
+        "cross_entropy").result()
+    for k, column in enumerate(columns.loss_fn_outputs):
+        np.testing.assert_allclose(grid[:, k], column["logprobs"].to_numpy(), atol=1e-5)
+    expected = reference_rl("importance_sampling", grid, sampler_lp.astype(np.float64), advantages.astype(np.float64),
+                            {})[0]
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+
+    weights = torch.zeros(7, 3)
+    weights[2, 1], weights[5, 0] = 0.7, 0.3
+    sparse = types.Datum(model_input=tokens, loss_fn_inputs={
+        "target_tokens": types.TensorData.from_torch(torch.tensor(targets)),
+        "weights": types.TensorData.from_torch_sparse(weights)})
+    ce = client.forward([sparse], "cross_entropy").result()
+    assert ce.metrics["loss:sum"] == pytest.approx(-(0.7 * grid[2, 1] + 0.3 * grid[5, 0]), rel=1e-4)

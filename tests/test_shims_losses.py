@@ -177,3 +177,21 @@ def test_gspo_and_stable_reinforce_defaults_and_server_inputs():
     inputs = {"target_tokens": np.arange(4), "logprobs": np.zeros(4, np.float32), "advantages": np.ones(4, np.float32)}
     with pytest.raises(UserError, match=r"needs loss_fn_inputs \['recorded_logprobs', 'recorded_mask'\]"):
         check_datum("stable_reinforce", 0, np.arange(4), inputs, vocab_size=50, max_context=10)
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro"])
+def test_rl_losses_take_several_targets_per_position(loss_fn):
+    """``(N, K)`` inputs (K candidate targets per position) are elementwise: the same as flattening them."""
+    learner, sampler, advantages = (a.reshape(8, 5) for a in rl_case(2))
+    resolved = resolve_config(loss_fn, {})
+    lp = torch.tensor(learner, requires_grad=True)
+    loss = datum_loss(loss_fn, lp, {"logprobs": torch.tensor(sampler), "advantages": torch.tensor(advantages)},
+                      resolved)
+    loss.backward()
+    value, grad = reference_rl(loss_fn, learner.ravel(), sampler.ravel(), advantages.ravel(), resolved)
+    assert float(loss.detach()) == pytest.approx(value, rel=1e-9)
+    np.testing.assert_allclose(lp.grad.numpy().ravel(), grad, rtol=1e-9, atol=1e-12)
+    check_datum(loss_fn, 0, np.arange(8), {"target_tokens": np.zeros((8, 5), np.int64),
+                                           "logprobs": sampler.astype(np.float32),
+                                           "advantages": advantages.astype(np.float32)},
+                vocab_size=50, max_context=10)
