@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
 from ray.exceptions import RayActorError, RayTaskError
 
 from shims.errors import UserError
@@ -11,10 +14,11 @@ class ActorUnavailable(RuntimeError):
     """An actor died, could not be reached, or failed with an unexpected error: a server-side failure."""
 
 
-async def call_actor(actor, method: str, what: str, *args, **kwargs):
-    """Await ``actor.method(*args)``; a ``UserError`` raised inside the actor is re-raised here as itself."""
+@contextmanager
+def _translated(what: str, method: str) -> Iterator[None]:
+    """A ``UserError`` raised inside the actor is re-raised as itself; anything else as ``ActorUnavailable``."""
     try:
-        return await getattr(actor, method).remote(*args, **kwargs)
+        yield
     except RayTaskError as exc:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, UserError):
@@ -22,3 +26,16 @@ async def call_actor(actor, method: str, what: str, *args, **kwargs):
         raise ActorUnavailable(f"{what} failed in {method}: {cause}") from None
     except RayActorError as exc:
         raise ActorUnavailable(f"{what} is not available: {exc}") from None
+
+
+async def call_actor(actor, method: str, what: str, *args, **kwargs):
+    """Await ``actor.method(*args)``."""
+    with _translated(what, method):
+        return await getattr(actor, method).remote(*args, **kwargs)
+
+
+async def stream_actor(actor, method: str, what: str, *args) -> AsyncIterator:
+    """Iterate what the async-generator method ``actor.method(*args)`` yields, each item as soon as it is yielded."""
+    with _translated(what, method):
+        async for ref in getattr(actor, method).options(num_returns="streaming").remote(*args):
+            yield await ref

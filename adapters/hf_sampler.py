@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adapters.sampler import AdapterRef, ResidentAdapters, SamplerFacts
+from adapters.sampler import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
 from shims.sampling_math import StopMatcher, choose_token, score_prompt, sequence_generators, top_k
-from shims.sampling_wire import SampleJob, SampleResult, SequenceResult
+from shims.sampling_wire import SampleJob, SampleResult, SequenceResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
 
@@ -36,11 +36,14 @@ class _Request:
     adapter: AdapterRef | None
     job: SampleJob
     future: asyncio.Future
+    on_token: OnToken | None = None
 
 
 @dataclass
 class _Row:
     request: int
+    index: int
+    """Which of its request's samples this row is."""
     adapter_name: str
     generator: torch.Generator
     matcher: StopMatcher
@@ -98,12 +101,12 @@ class TransformersSampler:
             await asyncio.gather(self._server, return_exceptions=True)
 
     # ---- request intake -------------------------------------------------------------------------------------------
-    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
         if self._server is None or self._server.done():  # first call, or the previous event loop has ended
             self._wake = asyncio.Event()
             self._server = asyncio.get_running_loop().create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(adapter, job, future))
+        self._pending.append(_Request(adapter, job, future, on_token))
         self._wake.set()
         return await future
 
@@ -116,7 +119,7 @@ class TransformersSampler:
             while self._pending:
                 batch = self._take_batch()
                 try:
-                    outcomes = await asyncio.to_thread(self._run_batch, [(r.adapter, r.job) for r in batch])
+                    outcomes = await asyncio.to_thread(self._run_batch, [(r.adapter, r.job, r.on_token) for r in batch])
                 except Exception as exc:  # noqa: BLE001 - every waiting caller must hear about the failure
                     outcomes = [exc] * len(batch)
                 for r, outcome in zip(batch, outcomes):
@@ -175,13 +178,14 @@ class TransformersSampler:
             log.info("adapter evicted from sampler: slot_%d", slot_id)
 
     # ---- generation -----------------------------------------------------------------------------------------------
-    def _run_batch(self, requests: list[tuple[AdapterRef | None, SampleJob]]) -> list[SampleResult | Exception]:
+    def _run_batch(self, requests: list[tuple[AdapterRef | None, SampleJob, OnToken | None]]
+                   ) -> list[SampleResult | Exception]:
         """Results in request order; a request whose adapter cannot be loaded gets its own error, and the others
         still run."""
         outcomes: list[SampleResult | Exception | None] = [None] * len(requests)
         runnable, names, held = [], [], []
         try:
-            for i, (ref, _) in enumerate(requests):
+            for i, (ref, _, _) in enumerate(requests):
                 if ref is None:
                     runnable.append(i)
                     names.append(BASE)
@@ -210,12 +214,15 @@ class TransformersSampler:
             return self.base(**kwargs)
         return self.peft(adapter_names=adapter_names, **kwargs)
 
-    def _generate(self, requests: list[tuple[AdapterRef | None, SampleJob]], names: list[str]) -> list[SampleResult]:
+    def _generate(self, requests: list[tuple[AdapterRef | None, SampleJob, OnToken | None]],
+                  names: list[str]) -> list[SampleResult]:
         rows: list[_Row] = []
-        for index, ((_, job), name) in enumerate(zip(requests, names)):
-            for generator in sequence_generators(job, secrets.randbits(62)):
-                rows.append(_Row(index, name, generator, StopMatcher(job, self.eos_ids, self.tokenizer.decode)))
-        jobs = [job for _, job in requests]
+        for request, ((_, job, _), name) in enumerate(zip(requests, names)):
+            for index, generator in enumerate(sequence_generators(job, secrets.randbits(62))):
+                rows.append(_Row(request, index, name, generator,
+                                 StopMatcher(job, self.eos_ids, self.tokenizer.decode)))
+        jobs = [job for _, job, _ in requests]
+        listeners = [on_token for _, _, on_token in requests]
         longest = max(len(jobs[r.request].prompt) for r in rows)
         ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), longest), dtype=torch.long)
@@ -250,11 +257,14 @@ class TransformersSampler:
             for slot, r in enumerate(active):
                 row, job = rows[r], jobs[rows[r].request]
                 logprobs = torch.log_softmax(last[slot].float(), dim=-1)
-                token = choose_token(last[slot], job, row.generator)
+                token = choose_token(last[slot], job, row.generator, row.tokens)
                 row.tokens.append(token)
                 row.logprobs.append(float(logprobs[token]))
                 if job.topk_sample_logprobs:
                     row.topk.append(top_k(logprobs.unsqueeze(0), job.topk_sample_logprobs))
+                if listeners[row.request] is not None:
+                    ids, lps = row.topk[-1] if job.topk_sample_logprobs else (None, None)
+                    listeners[row.request](TokenEvent(row.index, token, row.logprobs[-1], ids, lps))
                 if row.matcher.done(row.tokens):
                     row.stop_reason = "stop"
                 elif len(row.tokens) >= job.max_tokens:

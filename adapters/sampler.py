@@ -9,10 +9,14 @@ loading adapters on demand from their checkpoint directory and keeping a bounded
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from shims.sampling_wire import SampleJob, SampleResult
+from shims.sampling_wire import SampleJob, SampleResult, TokenEvent
+
+OnToken = Callable[[TokenEvent], None]
+"""Called with each token as it is sampled (streaming); possibly from a backend's generation thread."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,9 @@ class SamplerFacts:
 class SamplerBackend(Protocol):
     def facts(self) -> SamplerFacts: ...
 
-    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
-        """Run one request (``job.num_samples`` sequences). Backends batch concurrent calls together."""
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
+        """Run one request (``job.num_samples`` sequences). Backends batch concurrent calls together. With
+        ``on_token``, every token is reported as soon as it is sampled (what streaming responses are built from)."""
         ...
 
     def resident(self) -> list[str]:

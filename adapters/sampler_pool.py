@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import ray
 
-from adapters.actors import call_actor
+from adapters.actors import call_actor, stream_actor
 from adapters.base_models import BaseModelSpec
 from adapters.sampler import AdapterRef, SamplerFacts
-from shims.sampling_wire import SampleJob, SampleResult
+from shims.sampling_wire import SampleJob, SampleResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
 
@@ -62,6 +63,32 @@ class SamplerActor:
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         return await self.impl.sample(adapter, job)
+
+    async def stream(self, adapter: AdapterRef | None, job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
+        """The same request as ``sample``, yielding the tokens as they come (every token available at that moment,
+        as one list), then the ``SampleResult``."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+        task = loop.create_task(self.impl.sample(
+            adapter, job, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)))
+        # Scheduled when the request finishes, so after every token the generation thread announced before that.
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, done))
+        try:
+            while True:
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                finished = events[-1] is done
+                tokens = events[:-1] if finished else events
+                if tokens:
+                    yield tokens
+                if finished:
+                    break
+            yield task.result()
+        finally:
+            if not task.done():  # the consumer went away: the request still finishes, its result is dropped
+                task.add_done_callback(lambda t: t.exception())
 
 
 @dataclass
@@ -120,6 +147,19 @@ class SamplerPool:
         replica.in_flight += job.num_samples
         try:
             return await call_actor(replica.actor, "sample", f"sampler {index} for {base_model}", adapter, job)
+        finally:
+            replica.in_flight -= job.num_samples
+
+    async def stream(self, base_model: str, adapter: AdapterRef | None,
+                     job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
+        """Like ``sample``, yielding lists of tokens as they are sampled and then the result."""
+        base = self.bases[base_model]
+        index = self._route(base, adapter)
+        replica = base.replicas[index]
+        replica.in_flight += job.num_samples
+        try:
+            async for item in stream_actor(replica.actor, "stream", f"sampler {index} for {base_model}", adapter, job):
+                yield item
         finally:
             replica.in_flight -= job.num_samples
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from adapters.sampler import Acquired, AdapterRef, AllAdaptersBusy, ResidentAdapters, SamplerFacts
+from adapters.sampler import Acquired, AdapterRef, AllAdaptersBusy, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
-from shims.sampling_wire import PromptScores, SampleJob, SampleResult, SequenceResult, masked_topk
+from shims.sampling_wire import PromptScores, SampleJob, SampleResult, SequenceResult, TokenEvent, masked_topk
 
 log = logging.getLogger("compat_server.sampler")
 
@@ -67,7 +67,7 @@ class VLLMSampler:
             raise UserError(f"LoRA rank {rank} of {ref.key} exceeds this sampler's --vllm-max-lora-rank "
                             f"{self.max_lora_rank}")
 
-    def _params(self, job: SampleJob):
+    def _params(self, job: SampleJob, streaming: bool):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -78,9 +78,11 @@ class VLLMSampler:
             stop_token_ids=list(job.stop_token_ids) or None, ignore_eos=not job.stop_at_eos,
             include_stop_str_in_output=True, logprobs=job.topk_sample_logprobs,
             prompt_logprobs=job.topk_prompt_logprobs if wants_prompt else None,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(job.stop_strings))
+            presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+            output_kind=RequestOutputKind.CUMULATIVE if streaming else RequestOutputKind.FINAL_ONLY,
+            detokenize=bool(job.stop_strings))
 
-    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
 
@@ -97,11 +99,13 @@ class VLLMSampler:
                 # The name is unique per load: vLLM's prefix cache keys on it, and KV computed with older weights
                 # under the same key must never be reused for newer ones.
                 lora = LoRARequest(f"{adapter.key}#{slot_id}", slot_id, adapter.directory)
-            final = None
+            final, sent = None, [0] * job.num_samples
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(job.prompt)),
-                                                     self._params(job), request_id=uuid.uuid4().hex,
-                                                     lora_request=lora):
+                                                     self._params(job, on_token is not None),
+                                                     request_id=uuid.uuid4().hex, lora_request=lora):
                 final = output
+                if on_token is not None:
+                    _announce(output, job, sent, on_token)
         except Exception as exc:
             if adapter is not None and slot_id is not None and "lora" in str(exc).lower():
                 self.adapters.forget(adapter.key, slot_id)
@@ -151,6 +155,21 @@ class VLLMSampler:
                 scores.topk_ids, scores.topk_logprobs = ids, lps
         return SampleResult(sequences=sequences, prompt=scores,
                             prompt_cache_hit_tokens=int(getattr(output, "num_cached_tokens", 0) or 0))
+
+
+def _announce(output, job: SampleJob, sent: list[int], on_token: OnToken) -> None:
+    """Report the tokens a cumulative vLLM output holds beyond those already reported."""
+    for completion in output.outputs:
+        tokens, steps = list(completion.token_ids), completion.logprobs or []
+        for position in range(sent[completion.index], len(tokens)):
+            token = tokens[position]
+            step = steps[position] if position < len(steps) else {}
+            ids = lps = None
+            if job.topk_sample_logprobs:
+                ids, lps = _topk_rows([step], job.topk_sample_logprobs)
+            on_token(TokenEvent(completion.index, token, float(step[token].logprob) if token in step else float("nan"),
+                                ids, lps))
+        sent[completion.index] = len(tokens)
 
 
 def _topk_rows(steps, k: int) -> tuple[np.ndarray, np.ndarray]:

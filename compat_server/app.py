@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
+from compat_server.openai_routes import OPENAI_ROUTER
 from compat_server.services import Services, start_services
 from compat_server.tinker import ROUTES as TINKER_ROUTES
 from shims.errors import UserError
@@ -56,7 +57,7 @@ def create_app(config: ServerConfig) -> Litestar:
         return request.app.state.services
 
     return Litestar(
-        route_handlers=TINKER_ROUTES,
+        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER],
         on_startup=[startup],
         on_shutdown=[shutdown],
         dependencies={"services": Provide(provide_services, sync_to_thread=False), "owner": Provide(provide_owner)},

@@ -163,6 +163,11 @@ class Records:
             return None
         return row if row["owner"] == owner or row["public"] else None
 
+    def sampler_checkpoints(self, owner: str) -> list[dict]:
+        """Sampler checkpoints the owner may sample from (its own and published ones), oldest first."""
+        return list(self.db["checkpoints"].rows_where("kind = 'sampler' and (owner = ? or public = 1)", [owner],
+                                                      order_by="created"))
+
     # ---- sampling sessions ----------------------------------------------------------------------------------------
     def create_sampler(self, sampler_id: str, *, session_id: str, owner: str, base_model: str, kind: str,
                        model_path: str | None = None, model_id: str | None = None, adapter_key: str | None = None,

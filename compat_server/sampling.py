@@ -14,6 +14,7 @@ import logging
 import shutil
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +29,20 @@ from compat_server.records import Records
 from compat_server.scheduler import Scheduler
 from compat_server.stability import StabilityStore
 from shims.errors import UserError
-from shims.sampling_wire import SampleJob, SampleResult, SamplingLimits, decode_sample_request, encode_sample_response
+from shims.sampling_wire import (
+    SampleJob,
+    SampleResult,
+    SamplingLimits,
+    TokenEvent,
+    decode_sample_request,
+    encode_sample_response,
+)
 
 log = logging.getLogger("compat_server.sampling")
+
+
+class ModelNotFound(UserError):
+    """A model name or path that names nothing this caller may sample (the OpenAI routes answer 404)."""
 
 
 @dataclass(frozen=True)
@@ -252,27 +264,71 @@ class SamplingService:
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
         async def run() -> Payload:
-            adapter = self._adapter(row)
-            stats = self.stats[base_model]
-            stats.started()
-            try:
-                result = await self.samplers.sample(base_model, adapter, job)
-            except Exception:
-                stats.failed += 1
-                raise
-            finally:
-                stats.finished()
-            stats.sequences += len(result.sequences)
-            stats.sampled_tokens += sum(len(s.tokens) for s in result.sequences)
-            stats.prompt_tokens += len(job.prompt)
+            result = await self.run_job(base_model, self._adapter(row), job)
             if job.record_stability_info:
                 self.stability.record(owner, row["session_id"], sequence_ids, job.prompt,
                                       [(s.tokens, s.logprobs) for s in result.sequences])
-            self._maybe_probe(base_model, adapter, job, result)
             return Payload(PROTOBUF, encode_sample_response(result, job))
 
         request_id = self.scheduler.submit(owner=owner, kind="sample", job=run, idempotency_key=idem)
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+    # ---- the one sampling path (Tinker asample and the OpenAI routes) --------------------------------------------
+    def resolve_model(self, owner: str, model: str) -> tuple[str, AdapterRef | None]:
+        """An OpenAI ``model`` value → (base model, adapter): a base model name, a ``tinker://…/sampler_weights/…``
+        path, or ``<base>;<path>``. Unknown names raise ``ModelNotFound``."""
+        base_name, _, path = model.rpartition(";") if ";" in model else ("", "", model)
+        if not path.startswith("tinker://"):
+            if path not in self.base_models:
+                raise ModelNotFound(f"the model {model!r} does not exist; GET /v1/models lists the models you can use")
+            return path, None
+        try:
+            ckpt, ref = self._sampler_checkpoint(owner, path)
+        except UserError as exc:
+            raise ModelNotFound(str(exc)) from None
+        if base_name and base_name != ckpt["base_model"]:
+            raise UserError(f"{path} was trained on {ckpt['base_model']}, not {base_name}")
+        return ckpt["base_model"], ref
+
+    def limits_for(self, base_model: str) -> SamplingLimits:
+        return self.limits[base_model]
+
+    async def run_job(self, base_model: str, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+        """Sample ``job`` on the pool, counting it in the metrics."""
+        stats = self.stats[base_model]
+        stats.started()
+        try:
+            result = await self.samplers.sample(base_model, adapter, job)
+        except Exception:
+            stats.failed += 1
+            raise
+        finally:
+            stats.finished()
+        self._count(base_model, adapter, job, result)
+        return result
+
+    async def stream_job(self, base_model: str, adapter: AdapterRef | None,
+                         job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
+        """``run_job``, yielding lists of tokens as they are sampled before the result."""
+        stats = self.stats[base_model]
+        stats.started()
+        try:
+            async for item in self.samplers.stream(base_model, adapter, job):
+                if isinstance(item, SampleResult):
+                    self._count(base_model, adapter, job, item)
+                yield item
+        except Exception:
+            stats.failed += 1
+            raise
+        finally:
+            stats.finished()
+
+    def _count(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, result: SampleResult) -> None:
+        stats = self.stats[base_model]
+        stats.sequences += len(result.sequences)
+        stats.sampled_tokens += sum(len(s.tokens) for s in result.sequences)
+        stats.prompt_tokens += len(job.prompt)
+        self._maybe_probe(base_model, adapter, job, result)
 
     # ---- rollout-vs-train drift -----------------------------------------------------------------------------------
     def _maybe_probe(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, result: SampleResult) -> None:

@@ -16,6 +16,7 @@ from adapters.sampler import choose_backend
 from adapters.sampler_pool import SamplerPlacement, SamplerPool
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
 from compat_server.checkpoints import CheckpointStore
+from compat_server.completions import CompletionsService
 from compat_server.config import ServerConfig
 from compat_server.futures import FutureHub
 from compat_server.records import Records
@@ -38,6 +39,7 @@ class Services:
     scheduler: Scheduler
     training: TrainingService
     sampling: SamplingService
+    completions: CompletionsService
     base_models: dict[str, BaseModelSpec]
 
     def stop(self) -> None:
@@ -100,7 +102,8 @@ async def start_services(config: ServerConfig) -> Services:
                                                stability_ttl_seconds=config.stability_ttl))
     training = TrainingService(records, scheduler, checkpoints, base_models, sampling)
     return Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
-                    scheduler=scheduler, training=training, sampling=sampling, base_models=base_models)
+                    scheduler=scheduler, training=training, sampling=sampling,
+                    completions=CompletionsService(sampling, records, base_models), base_models=base_models)
 
 
 def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:

@@ -42,8 +42,21 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return probs
 
 
-def choose_token(logits: torch.Tensor, job: SampleJob, generator: torch.Generator) -> int:
-    """Pick the next token from one row of logits: argmax at temperature 0, else a draw from ``filtered_probs``."""
+def penalized(logits: torch.Tensor, job: SampleJob, previous: Sequence[int]) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties over the tokens this sequence has sampled so far."""
+    if not (job.presence_penalty or job.frequency_penalty) or not previous:
+        return logits
+    ids, counts = torch.unique(torch.tensor(previous, device=logits.device), return_counts=True)
+    out = logits.float().clone()
+    out[ids] -= job.frequency_penalty * counts.float() + job.presence_penalty
+    return out
+
+
+def choose_token(logits: torch.Tensor, job: SampleJob, generator: torch.Generator,
+                 previous: Sequence[int] = ()) -> int:
+    """Pick the next token from one row of logits: argmax at temperature 0, else a draw from ``filtered_probs``;
+    penalties (if any) first."""
+    logits = penalized(logits, job, previous)
     if job.temperature == 0:
         return int(torch.argmax(logits))
     probs = filtered_probs(logits, job.temperature, job.top_k, job.top_p)

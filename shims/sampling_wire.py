@@ -63,6 +63,10 @@ class SampleJob:
     target: TargetIds | None = None
     prompt_alt_tokens_k: int = 0
     record_stability_info: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    """OpenAI's penalties (the Tinker wire has none): subtracted from the logits of tokens already sampled in this
+    sequence, ``presence`` once and ``frequency`` per occurrence."""
 
     @property
     def needs_prompt_scores(self) -> bool:
@@ -75,6 +79,18 @@ class SampleJob:
         if self.prompt_logprobs_last_n is None:
             return 1
         return len(self.prompt) - self.prompt_logprobs_last_n
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token as it is sampled, for streaming: sequence ``index`` of its request, with its logprob and (when the
+    job asks for them) its top-k alternatives."""
+
+    index: int
+    token: int
+    logprob: float
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""OpenAI-compatible routes (``/v1/...``): HTTP parsing and answering only; the work is in ``completions.py``.
+
+Errors on these routes use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, so the ``openai``
+SDK raises its own typed exceptions: 401 for a bad key, 404 for an unknown model, 400 for a bad parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response, Router, get, post
+from litestar.di import NamedDependency
+from litestar.exceptions import HTTPException, NotAuthorizedException, ValidationException
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from compat_server.completions import CompletionsService
+from compat_server.sampling import ModelNotFound
+from compat_server.services import Services
+from shims.errors import UserError
+from shims.openai_wire import OpenAIError
+
+log = logging.getLogger("compat_server.openai")
+
+
+async def _answer(request: Request, services: Services, owner: str, chat: bool) -> Response | Stream:
+    completions: CompletionsService = services.completions
+    prepared = completions.prepare(owner, await request.json(), chat)
+    if prepared.stream:
+        return Stream(completions.stream(prepared), media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return Response(await completions.complete(prepared))
+
+
+@post("/chat/completions", status_code=200)
+async def chat_completions(request: Request, owner: NamedDependency[str],
+                           services: NamedDependency[Services]) -> Response | Stream:
+    return await _answer(request, services, owner, chat=True)
+
+
+@post("/completions", status_code=200)
+async def completions(request: Request, owner: NamedDependency[str],
+                      services: NamedDependency[Services]) -> Response | Stream:
+    return await _answer(request, services, owner, chat=False)
+
+
+@get("/models")
+async def list_models(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
+    return services.completions.list_models(owner)
+
+
+@get("/models/{model:path}")
+async def retrieve_model(model: FromPath[str], owner: NamedDependency[str],
+                         services: NamedDependency[Services]) -> dict:
+    return services.completions.retrieve_model(owner, model.lstrip("/"))
+
+
+def _openai_error(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, OpenAIError):
+        error = exc
+    elif isinstance(exc, ModelNotFound):
+        error = OpenAIError(404, str(exc), param="model", code="model_not_found")
+    elif isinstance(exc, UserError):
+        error = OpenAIError(400, str(exc))
+    elif isinstance(exc, NotAuthorizedException):
+        error = OpenAIError(401, exc.detail, code="invalid_api_key", kind="authentication_error")
+    elif isinstance(exc, ValidationException):
+        error = OpenAIError(400, f"the request body is not valid JSON: {exc.detail}")
+    elif isinstance(exc, HTTPException):
+        error = OpenAIError(exc.status_code, exc.detail)
+    else:
+        log.exception("unhandled error on an OpenAI route")
+        error = OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}", kind="server_error")
+    return Response(error.body(), status_code=error.status)
+
+
+OPENAI_ROUTER = Router(
+    path="/v1", route_handlers=[chat_completions, completions, list_models, retrieve_model],
+    # Every class the app maps to the Tinker shape is named again here, so these routes answer in OpenAI's shape.
+    exception_handlers={cls: _openai_error for cls in (OpenAIError, UserError, HTTPException, ValidationException,
+                                                       Exception)},
+)
