@@ -52,7 +52,10 @@ async def list_models(owner: NamedDependency[str], services: NamedDependency[Ser
 @get("/models/{model:path}")
 async def retrieve_model(model: FromPath[str], owner: NamedDependency[str],
                          services: NamedDependency[Services]) -> dict:
-    return services.completions.retrieve_model(owner, model.lstrip("/"))
+    model = model.lstrip("/")
+    if model.startswith("tinker:/") and not model.startswith("tinker://"):  # URL paths collapse the double slash
+        model = "tinker://" + model[len("tinker:/"):]
+    return services.completions.retrieve_model(owner, model)
 
 
 def _openai_error(_: Request, exc: Exception) -> Response:

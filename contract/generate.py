@@ -1,4 +1,4 @@
-"""Generate (or check) the pinned wire contract from the installed tinker SDK.
+"""Generate (or check) the pinned wire contract from the installed tinker and openai SDKs.
 
     python -m contract.generate          # rewrite contract/pinned/*.json
     python -m contract.generate --check  # exit 1 and show what differs if the installed SDK drifted
@@ -48,7 +48,23 @@ def protobuf_descriptor() -> dict:
     return MessageToDict(proto, preserving_proto_field_name=True)
 
 
+OPENAI_ROUTES = ["GET /v1/models", "GET /v1/models/{model}", "POST /v1/chat/completions", "POST /v1/completions"]
+OPENAI_TYPES = {
+    "ChatCompletion": "openai.types.chat", "ChatCompletionChunk": "openai.types.chat", "Completion": "openai.types",
+    "Model": "openai.types", "ErrorObject": "openai.types.shared",
+}
+
+
+def openai_schemas() -> dict:
+    """Serialization-mode schemas of the ``openai`` SDK's response types the ``/v1`` routes answer with."""
+    import importlib
+
+    return {name: getattr(importlib.import_module(module), name).model_json_schema(mode="serialization")
+            for name, module in OPENAI_TYPES.items() if module}
+
+
 def generate() -> dict[str, object]:
+    import openai
     import tinker
 
     from contract.routes import TINKER_ROUTES
@@ -57,6 +73,8 @@ def generate() -> dict[str, object]:
         "tinker_routes.json": {"sdk_version": tinker.__version__, "routes": [asdict(r) for r in TINKER_ROUTES]},
         "tinker_schemas.json": {"sdk_version": tinker.__version__, "schemas": json_schemas()},
         "tinker_protobuf.json": {"sdk_version": tinker.__version__, "descriptor": protobuf_descriptor()},
+        "openai_schemas.json": {"sdk_version": openai.__version__, "routes": OPENAI_ROUTES,
+                                "schemas": openai_schemas()},
     }
 
 

@@ -8,6 +8,7 @@ route decodes, so both APIs share one set of sampling checks and one sampler pat
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -41,6 +42,7 @@ class OpenAIError(Exception):
 
 # ---- requests -----------------------------------------------------------------------------------------------------
 _M = TypeVar("_M", bound=BaseModel)
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
 
 
 class _Strict(BaseModel):
@@ -101,7 +103,8 @@ def parse_request(model: type[_M], body: Any) -> _M:
         return model.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"])
+        # pydantic names the union branch it tried (``str``, ``list[TextPart]``…) in the location: not a parameter
+        param = ".".join(str(part) for part in error["loc"] if not _UNION_BRANCH.match(str(part)))
         if error["type"] == "extra_forbidden":
             raise OpenAIError(400, f"unsupported parameter: {param!r} is not supported by this server",
                               param=param, code="unsupported_parameter") from None

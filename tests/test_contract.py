@@ -152,3 +152,39 @@ def test_malformed_bodies_are_400_and_unknown_futures_404(server):
     assert failed == {"error": "unknown model_id 'nobody:train:0'", "category": "user"}
     assert http.get("/api/v1/healthz").status_code == 200
     np.testing.assert_equal(server.alive(), True)
+
+
+OPENAI = json.loads((PINNED / "openai_schemas.json").read_text())
+
+
+def test_every_openai_route_is_served(tmp_path: Path):
+    from compat_server.app import create_app
+    from compat_server.config import ServerConfig
+
+    app = create_app(ServerConfig(data_dir=tmp_path))
+    served = {method + " " + re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path) for route in app.routes
+              for method in route.methods}
+    assert [r for r in OPENAI["routes"] if r not in served] == []
+
+
+def test_live_openai_responses_conform(server):
+    """Raw responses (not parsed by the lenient SDK) validate against the openai SDK's pinned response schemas."""
+    http = httpx.Client(base_url=f"{server.base_url}/v1", headers={"Authorization": "Bearer tml-contract"},
+                        timeout=60)
+    schemas = OPENAI["schemas"]
+    chat = {"model": BASE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1}
+    jsonschema.validate(http.post("/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2}).json(),
+                        schemas["ChatCompletion"])
+    jsonschema.validate(http.post("/completions", json={"model": BASE_MODEL, "prompt": "a", "max_tokens": 3,
+                                                         "logprobs": 1}).json(), schemas["Completion"])
+    for model in http.get("/models").json()["data"]:
+        jsonschema.validate(model, schemas["Model"])
+    with http.stream("POST", "/chat/completions", json={**chat, "stream": True,
+                                                         "stream_options": {"include_usage": True}}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        jsonschema.validate(json.loads(event), schemas["ChatCompletionChunk"])
+    error = http.post("/chat/completions", json={**chat, "model": "nope"})
+    assert error.status_code == 404
+    jsonschema.validate(error.json()["error"], schemas["ErrorObject"])
