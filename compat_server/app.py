@@ -15,7 +15,7 @@ from compat_server.config import ServerConfig
 from compat_server.openai_routes import OPENAI_ROUTER
 from compat_server.services import Services, start_services
 from compat_server.tinker import ROUTES as TINKER_ROUTES
-from shims.errors import UserError
+from shims.errors import NotFound, UserError
 
 log = logging.getLogger("compat_server")
 
@@ -26,6 +26,10 @@ def _error(status: int, message: str, category: str = "user") -> Response:
 
 def _user_error(_: Request, exc: UserError) -> Response:
     return _error(400, str(exc))
+
+
+def _not_found(_: Request, exc: NotFound) -> Response:
+    return _error(404, str(exc))
 
 
 def _validation_error(_: Request, exc: ValidationException) -> Response:
@@ -62,7 +66,7 @@ def create_app(config: ServerConfig) -> Litestar:
         on_shutdown=[shutdown],
         dependencies={"services": Provide(provide_services, sync_to_thread=False), "owner": Provide(provide_owner)},
         exception_handlers={
-            UserError: _user_error, ValidationException: _validation_error, HTTPException: _http_error,
+            UserError: _user_error, NotFound: _not_found, ValidationException: _validation_error, HTTPException: _http_error,
             Exception: _server_error,
         },
         request_max_body_size=config.max_body_mb * 1024 * 1024,

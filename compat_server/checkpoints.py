@@ -87,3 +87,6 @@ class CheckpointStore:
 
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
+
+    def delete(self, path: str) -> None:
+        shutil.rmtree(self.directory(path), ignore_errors=True)

@@ -15,9 +15,8 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from compat_server.completions import CompletionsService
-from compat_server.sampling import ModelNotFound
 from compat_server.services import Services
-from shims.errors import UserError
+from shims.errors import NotFound, UserError
 from shims.openai_wire import OpenAIError
 
 log = logging.getLogger("compat_server.openai")
@@ -61,7 +60,7 @@ async def retrieve_model(model: FromPath[str], owner: NamedDependency[str],
 def _openai_error(_: Request, exc: Exception) -> Response:
     if isinstance(exc, OpenAIError):
         error = exc
-    elif isinstance(exc, ModelNotFound):
+    elif isinstance(exc, NotFound):
         error = OpenAIError(404, str(exc), param="model", code="model_not_found")
     elif isinstance(exc, UserError):
         error = OpenAIError(400, str(exc))
@@ -80,6 +79,6 @@ def _openai_error(_: Request, exc: Exception) -> Response:
 OPENAI_ROUTER = Router(
     path="/v1", route_handlers=[chat_completions, completions, list_models, retrieve_model],
     # Every class the app maps to the Tinker shape is named again here, so these routes answer in OpenAI's shape.
-    exception_handlers={cls: _openai_error for cls in (OpenAIError, UserError, HTTPException, ValidationException,
-                                                       Exception)},
+    exception_handlers={cls: _openai_error for cls in (OpenAIError, NotFound, UserError, HTTPException,
+                                                       ValidationException, Exception)},
 )

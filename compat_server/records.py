@@ -163,6 +163,38 @@ class Records:
             return None
         return row if row["owner"] == owner or row["public"] else None
 
+    def models_page(self, owner: str, limit: int, offset: int) -> tuple[list[dict], int]:
+        """The owner's training runs, oldest first, one page; and how many there are in all."""
+        table = self.db["models"]
+        rows = list(table.rows_where("owner = ?", [owner], order_by="created, id", limit=limit, offset=offset))
+        return rows, table.count_where("owner = ?", [owner])
+
+    def run_checkpoints(self, training_run_id: str) -> list[dict]:
+        return list(self.db["checkpoints"].rows_where("training_run_id = ?", [training_run_id], order_by="created"))
+
+    def user_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[dict], int]:
+        table = self.db["checkpoints"]
+        rows = list(table.rows_where("owner = ?", [owner], order_by="created desc", limit=limit, offset=offset))
+        return rows, table.count_where("owner = ?", [owner])
+
+    def delete_checkpoint(self, tinker_path: str) -> None:
+        self.db["checkpoints"].delete(tinker_path)
+
+    def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        self.db["checkpoints"].update(tinker_path, {"public": int(public)})
+
+    def sessions_page(self, owner: str, limit: int, offset: int) -> list[str]:
+        return [row["id"] for row in self.db["sessions"].rows_where(
+            "owner = ?", [owner], order_by="created, id", limit=limit, offset=offset, select="id")]
+
+    def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
+        """(training run ids, sampler ids) created in a session."""
+        runs = [r["id"] for r in self.db["models"].rows_where("session_id = ?", [session_id], order_by="created",
+                                                              select="id")]
+        samplers = [r["id"] for r in self.db["samplers"].rows_where("session_id = ?", [session_id],
+                                                                    order_by="created", select="id")]
+        return runs, samplers
+
     def sampler_checkpoints(self, owner: str) -> list[dict]:
         """Sampler checkpoints the owner may sample from (its own and published ones), oldest first."""
         return list(self.db["checkpoints"].rows_where("kind = 'sampler' and (owner = ? or public = 1)", [owner],

@@ -28,7 +28,7 @@ from compat_server.futures import PROTOBUF, Payload
 from compat_server.records import Records
 from compat_server.scheduler import Scheduler
 from compat_server.stability import StabilityStore
-from shims.errors import UserError
+from shims.errors import NotFound, UserError
 from shims.sampling_wire import (
     SampleJob,
     SampleResult,
@@ -41,7 +41,7 @@ from shims.sampling_wire import (
 log = logging.getLogger("compat_server.sampling")
 
 
-class ModelNotFound(UserError):
+class ModelNotFound(NotFound):
     """A model name or path that names nothing this caller may sample (the OpenAI routes answer 404)."""
 
 
@@ -179,7 +179,7 @@ class SamplingService:
         ckpt = self.records.checkpoint(path, owner)
         directory = self.checkpoints.directory(path)
         if ckpt is None or not directory.exists():
-            raise UserError(f"sampler checkpoint {path} not found")
+            raise NotFound(f"sampler checkpoint {path} not found")
         self._base(ckpt["base_model"])  # trained on a base model this server no longer serves
         return ckpt, AdapterRef(f"{path}@{ckpt['created']}", str(directory))
 

@@ -20,6 +20,7 @@ from compat_server.completions import CompletionsService
 from compat_server.config import ServerConfig
 from compat_server.futures import FutureHub
 from compat_server.records import Records
+from compat_server.runs import RunsService
 from compat_server.sampling import SamplingOptions, SamplingService
 from compat_server.scheduler import Scheduler
 from compat_server.training import TrainingService
@@ -40,6 +41,7 @@ class Services:
     training: TrainingService
     sampling: SamplingService
     completions: CompletionsService
+    runs: RunsService
     base_models: dict[str, BaseModelSpec]
 
     def stop(self) -> None:
@@ -103,7 +105,8 @@ async def start_services(config: ServerConfig) -> Services:
     training = TrainingService(records, scheduler, checkpoints, base_models, sampling)
     return Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
-                    completions=CompletionsService(sampling, records, base_models), base_models=base_models)
+                    completions=CompletionsService(sampling, records, base_models),
+                    runs=RunsService(records, checkpoints), base_models=base_models)
 
 
 def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:

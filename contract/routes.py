@@ -46,6 +46,15 @@ TINKER_ROUTES: list[Route] = [
     Route("GET", "/api/v1/samplers/{sampler_id}", None, "GetSamplerResponse"),
     Route("POST", "/api/v1/asample", "SampleRequest", FUTURE, "protobuf:SampleResponse"),
     Route("POST", "/api/v1/retrieve_future", "FutureRetrieveRequest", None),
+    Route("GET", "/api/v1/training_runs", None, "TrainingRunsResponse"),
+    Route("GET", "/api/v1/training_runs/{run_id}", None, "TrainingRun"),
+    Route("GET", "/api/v1/training_runs/{run_id}/checkpoints", None, "CheckpointsListResponse"),
+    Route("GET", "/api/v1/checkpoints", None, "CheckpointsListResponse"),
+    Route("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}", None, None),
+    Route("POST", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", None, None),
+    Route("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", None, None),
+    Route("GET", "/api/v1/sessions", None, "ListSessionsResponse"),
+    Route("GET", "/api/v1/sessions/{session_id}", None, "GetSessionResponse"),
 ]
 
 FUTURE_STATES = ["TryAgainResponse", "RequestFailedResponse"]

@@ -246,12 +246,12 @@ def test_bad_sampling_sessions_are_refused(service_client, memorized):
     client, sampler_path = memorized
     state_path = client.save_state("not-for-sampling").result().path
     cases = [
-        ("tinker://no-such-run:train:0/sampler_weights/x", "not found"),
-        (state_path, "sampler_weights"),
-        ("tinker://../sampler_weights/x", "unsupported tinker path"),
+        ("tinker://no-such-run:train:0/sampler_weights/x", "not found", tinker.NotFoundError),
+        (state_path, "sampler_weights", tinker.BadRequestError),
+        ("tinker://../sampler_weights/x", "unsupported tinker path", tinker.BadRequestError),
     ]
-    for path, message in cases:
-        with pytest.raises(tinker.BadRequestError) as failure:
+    for path, message, error in cases:
+        with pytest.raises(error) as failure:
             service_client.create_sampling_client(model_path=path).result()
         assert message in str(failure.value), (path, str(failure.value))
     ok = service_client.create_sampling_client(model_path=sampler_path).result()
@@ -262,7 +262,7 @@ def test_another_tenant_cannot_sample_private_weights(server, memorized):
     _, path = memorized
     stranger = tinker.ServiceClient(base_url=server.base_url, api_key="tml-someone-else")
     try:
-        with pytest.raises(tinker.BadRequestError) as failure:
+        with pytest.raises(tinker.NotFoundError) as failure:  # 404, exactly as for weights that do not exist
             stranger.create_sampling_client(model_path=path).result()
         assert "not found" in str(failure.value)
     finally:

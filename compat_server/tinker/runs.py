@@ -1,0 +1,71 @@
+"""REST routes of the SDK's ``RestClient``: training runs, checkpoints, sessions. HTTP only."""
+
+from __future__ import annotations
+
+from litestar import delete, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
+from tinker import types
+
+from compat_server.services import Services
+
+API = "/api/v1"
+CHECKPOINT = f"{API}/training_runs/{{run_id:str}}/checkpoints/{{kind:str}}/{{name:str}}"
+
+
+@get(f"{API}/training_runs")
+async def list_training_runs(owner: NamedDependency[str], services: NamedDependency[Services],
+                             limit: FromQuery[int] = 20, offset: FromQuery[int] = 0) -> types.TrainingRunsResponse:
+    return services.runs.list_training_runs(owner, limit, offset)
+
+
+@get(f"{API}/training_runs/{{run_id:str}}")
+async def get_training_run(run_id: FromPath[str], owner: NamedDependency[str],
+                           services: NamedDependency[Services]) -> types.TrainingRun:
+    return services.runs.get_training_run(owner, run_id)
+
+
+@get(f"{API}/training_runs/{{run_id:str}}/checkpoints")
+async def list_checkpoints(run_id: FromPath[str], owner: NamedDependency[str],
+                           services: NamedDependency[Services]) -> types.CheckpointsListResponse:
+    return services.runs.list_checkpoints(owner, run_id)
+
+
+@get(f"{API}/checkpoints")
+async def list_user_checkpoints(owner: NamedDependency[str], services: NamedDependency[Services],
+                                limit: FromQuery[int] = 100, offset: FromQuery[int] = 0) -> types.CheckpointsListResponse:
+    return services.runs.list_user_checkpoints(owner, limit, offset)
+
+
+@delete(CHECKPOINT, status_code=200)
+async def delete_checkpoint(run_id: FromPath[str], kind: FromPath[str], name: FromPath[str],
+                            owner: NamedDependency[str], services: NamedDependency[Services]) -> None:
+    services.runs.delete_checkpoint(owner, run_id, f"{kind}/{name}")
+
+
+@post(f"{CHECKPOINT}/publish", status_code=200)
+async def publish_checkpoint(run_id: FromPath[str], kind: FromPath[str], name: FromPath[str],
+                             owner: NamedDependency[str], services: NamedDependency[Services]) -> None:
+    services.runs.set_public(owner, run_id, f"{kind}/{name}", True)
+
+
+@delete(f"{CHECKPOINT}/publish", status_code=200)
+async def unpublish_checkpoint(run_id: FromPath[str], kind: FromPath[str], name: FromPath[str],
+                               owner: NamedDependency[str], services: NamedDependency[Services]) -> None:
+    services.runs.set_public(owner, run_id, f"{kind}/{name}", False)
+
+
+@get(f"{API}/sessions")
+async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
+                        limit: FromQuery[int] = 20, offset: FromQuery[int] = 0) -> types.ListSessionsResponse:
+    return services.runs.list_sessions(owner, limit, offset)
+
+
+@get(f"{API}/sessions/{{session_id:str}}")
+async def get_session(session_id: FromPath[str], owner: NamedDependency[str],
+                      services: NamedDependency[Services]) -> types.GetSessionResponse:
+    return services.runs.get_session(owner, session_id)
+
+
+RUNS_ROUTES = [list_training_runs, get_training_run, list_checkpoints, list_user_checkpoints, delete_checkpoint,
+               publish_checkpoint, unpublish_checkpoint, list_sessions, get_session]
