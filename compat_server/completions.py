@@ -54,11 +54,18 @@ class Prepared:
     vocab: Vocabulary
     jobs: list[SampleJob]
     logprobs: bool
-    stops: tuple[str, ...]
     stream: bool
     include_usage: bool
     id: str
     created: int
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.jobs[0].stop_strings
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(job.prompt) for job in self.jobs)
 
     def choice_index(self, prompt: int, sample: int) -> int:
         return prompt * self.jobs[0].num_samples + sample
@@ -127,7 +134,7 @@ class CompletionsService:
         for prompt in prompts:
             sample, penalties = sample_request(req, prompt)
             try:
-                job = decode_sample_request(sample, self.sampling.limits_for(base_model))
+                job = decode_sample_request(sample, self.sampling.limits[base_model])
             except UserError as exc:
                 raise OpenAIError(400, str(exc)) from None
             jobs.append(replace(job, presence_penalty=penalties.presence, frequency_penalty=penalties.frequency))
@@ -136,7 +143,7 @@ class CompletionsService:
             log.debug("%s request from user %r on %s", "chat" if chat else "completion", req.user, req.model)
         return Prepared(
             chat=chat, model=req.model, base_model=base_model, adapter=adapter, vocab=vocab, jobs=jobs,
-            logprobs=wants_logprobs, stops=jobs[0].stop_strings, stream=bool(req.stream),
+            logprobs=wants_logprobs, stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()))
 
@@ -149,8 +156,7 @@ class CompletionsService:
                 text = TextAssembler(p.vocab, p.stops).push(seq.tokens, final=True)
                 choices.append(ChoiceOut(p.choice_index(i, j), text, seq.stop_reason,
                                          _logprobs(seq) if p.logprobs else None))
-        used = usage(sum(len(job.prompt) for job in p.jobs),
-                     sum(len(seq.tokens) for result in results for seq in result.sequences))
+        used = usage(p.prompt_tokens, sum(len(seq.tokens) for result in results for seq in result.sequences))
         build = chat_completion if p.chat else text_completion
         return build(p.vocab, p.id, p.created, p.model, choices, used)
 
@@ -193,8 +199,7 @@ class CompletionsService:
                                              **self._text(p.chat, text, offsets[j])))
                             offsets[j] += len(text)
             if p.include_usage:
-                yield _sse(chunk(p.vocab, *header, used=usage(sum(len(job.prompt) for job in p.jobs),
-                                                               completion_tokens)))
+                yield _sse(chunk(p.vocab, *header, used=usage(p.prompt_tokens, completion_tokens)))
         except (OpenAIError, UserError) as exc:
             error = exc if isinstance(exc, OpenAIError) else OpenAIError(400, str(exc))
             yield _sse(error.body())

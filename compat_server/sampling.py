@@ -14,7 +14,8 @@ import logging
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,16 +77,22 @@ class SamplingStats:
     drift_sum: float = 0.0
     _probing: bool = field(default=False, repr=False)
 
-    def started(self) -> None:
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count one request for its whole run: busy time, and a failure if it raises."""
         if not self._running:
             self._busy_since = time.perf_counter()
         self._running += 1
         self.requests += 1
-
-    def finished(self) -> None:
-        self._running -= 1
-        if not self._running:
-            self.busy_seconds += time.perf_counter() - self._busy_since
+        try:
+            yield
+        except Exception:
+            self.failed += 1
+            raise
+        finally:
+            self._running -= 1
+            if not self._running:
+                self.busy_seconds += time.perf_counter() - self._busy_since
 
     def as_dict(self) -> dict:
         return {
@@ -277,7 +284,7 @@ class SamplingService:
     def resolve_model(self, owner: str, model: str) -> tuple[str, AdapterRef | None]:
         """An OpenAI ``model`` value → (base model, adapter): a base model name, a ``tinker://…/sampler_weights/…``
         path, or ``<base>;<path>``. Unknown names raise ``ModelNotFound``."""
-        base_name, _, path = model.rpartition(";") if ";" in model else ("", "", model)
+        base_name, _, path = model.rpartition(";")
         if not path.startswith("tinker://"):
             if path not in self.base_models:
                 raise ModelNotFound(f"the model {model!r} does not exist; GET /v1/models lists the models you can use")
@@ -290,38 +297,21 @@ class SamplingService:
             raise UserError(f"{path} was trained on {ckpt['base_model']}, not {base_name}")
         return ckpt["base_model"], ref
 
-    def limits_for(self, base_model: str) -> SamplingLimits:
-        return self.limits[base_model]
-
     async def run_job(self, base_model: str, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         """Sample ``job`` on the pool, counting it in the metrics."""
-        stats = self.stats[base_model]
-        stats.started()
-        try:
+        with self.stats[base_model].running():
             result = await self.samplers.sample(base_model, adapter, job)
-        except Exception:
-            stats.failed += 1
-            raise
-        finally:
-            stats.finished()
         self._count(base_model, adapter, job, result)
         return result
 
     async def stream_job(self, base_model: str, adapter: AdapterRef | None,
                          job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
         """``run_job``, yielding lists of tokens as they are sampled before the result."""
-        stats = self.stats[base_model]
-        stats.started()
-        try:
+        with self.stats[base_model].running():
             async for item in self.samplers.stream(base_model, adapter, job):
                 if isinstance(item, SampleResult):
                     self._count(base_model, adapter, job, item)
                 yield item
-        except Exception:
-            stats.failed += 1
-            raise
-        finally:
-            stats.finished()
 
     def _count(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, result: SampleResult) -> None:
         stats = self.stats[base_model]
