@@ -10,13 +10,14 @@ import os
 import re
 import shutil
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from tinker.types import ParsedCheckpointTinkerPath
 
 from shims.errors import UserError
 
-KIND_DIRS = {"training": "weights", "sampler": "sampler_weights"}
+KIND_DIRS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -37,7 +38,8 @@ def parse_path(path: str) -> ParsedCheckpointTinkerPath:
     try:
         parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
     except ValueError as exc:
-        raise UserError(f"{exc}; expected tinker://<training_run_id>/weights/<name> or .../sampler_weights/<name>") \
+        raise UserError(f"{exc}; expected tinker://<training_run_id>/weights/<name>, .../sampler_weights/<name> or "
+                        ".../external_weights/<name>") \
             from None
     if parsed.checkpoint_type not in KIND_DIRS or not parsed.training_run_id or "/" in parsed.training_run_id \
             or parsed.training_run_id.startswith("."):
@@ -46,12 +48,27 @@ def parse_path(path: str) -> ParsedCheckpointTinkerPath:
     return parsed
 
 
-class CheckpointStore:
-    """Maps tinker paths onto ``root`` and publishes checkpoint directories atomically."""
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
+"""Tinker's upper bound on a checkpoint's time to live: ten years."""
 
-    def __init__(self, root: Path) -> None:
+
+class CheckpointStore:
+    """Maps tinker paths onto ``root``, publishes checkpoint directories atomically, and applies the TTL rules."""
+
+    def __init__(self, root: Path, min_ttl_seconds: float = 3600) -> None:
         self.root = root
+        self.min_ttl_seconds = min_ttl_seconds
         root.mkdir(parents=True, exist_ok=True)
+
+    def expiry(self, ttl_seconds: float | None) -> str | None:
+        """When a checkpoint given ``ttl_seconds`` from now expires (None: never). Tinker's range is one hour
+        (``--min-checkpoint-ttl``) to ten years."""
+        if ttl_seconds is None:
+            return None
+        if not self.min_ttl_seconds <= ttl_seconds <= MAX_TTL_SECONDS:
+            raise UserError(f"ttl_seconds must be between {self.min_ttl_seconds:g} and {MAX_TTL_SECONDS} "
+                            f"(ten years), or None for no expiry; got {ttl_seconds}")
+        return (datetime.now(UTC) + timedelta(seconds=ttl_seconds)).isoformat()
 
     def directory(self, path: str) -> Path:
         parsed = parse_path(path)

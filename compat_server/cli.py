@@ -73,6 +73,14 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--stability-ttl", type=float, default=d.stability_ttl,
                         help="seconds that stability info recorded at sampling (record_stability_info, for the "
                              "stable_reinforce loss) stays usable after its last use (default: %(default)s, a day)")
+    parser.add_argument("--min-checkpoint-ttl", type=float, default=d.min_checkpoint_ttl,
+                        help="shortest ttl_seconds a checkpoint may be given (Tinker: an hour; default: %(default)s)")
+    parser.add_argument("--expiry-sweep-seconds", type=float, default=d.expiry_sweep_seconds,
+                        help="how often expired checkpoints are deleted from disk; they vanish from listings and "
+                             "lookups the moment they expire (default: %(default)s)")
+    parser.add_argument("--download-url-ttl", type=float, default=d.download_url_ttl,
+                        help="seconds a signed checkpoint download URL (external_weights_urls) stays valid "
+                             "(default: %(default)s)")
     parser.add_argument("--poll-hold-seconds", type=float, default=d.poll_hold_seconds,
                         help="how long retrieve_future waits for a result before answering try_again "
                              "(default: %(default)s)")
@@ -112,7 +120,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         vllm_max_lora_rank=args.vllm_max_lora_rank, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k,
         drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
-        stability_ttl=args.stability_ttl, poll_hold_seconds=args.poll_hold_seconds,
+        stability_ttl=args.stability_ttl, min_checkpoint_ttl=args.min_checkpoint_ttl,
+        expiry_sweep_seconds=args.expiry_sweep_seconds, download_url_ttl=args.download_url_ttl,
+        poll_hold_seconds=args.poll_hold_seconds,
         seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
         log_level=args.log_level,
     )

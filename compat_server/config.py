@@ -40,6 +40,9 @@ class ServerConfig:
     drift_probe_every: int = 50
     ephemeral_keep: int = 8
     stability_ttl: float = 86400.0
+    min_checkpoint_ttl: float = 3600.0
+    expiry_sweep_seconds: float = 60.0
+    download_url_ttl: float = 3600.0
     poll_hold_seconds: float = 5.0
     seq_gap_timeout: float = 120.0
     max_body_mb: int = 64
@@ -57,6 +60,9 @@ class ServerConfig:
             (self.drift_probe_every >= 0, "--drift-probe-every must be 0 (off) or more"),
             (self.ephemeral_keep >= 1, "--ephemeral-keep must be at least 1"),
             (self.stability_ttl > 0, "--stability-ttl must be > 0"),
+            (self.min_checkpoint_ttl > 0, "--min-checkpoint-ttl must be > 0"),
+            (self.expiry_sweep_seconds > 0, "--expiry-sweep-seconds must be > 0"),
+            (self.download_url_ttl > 0, "--download-url-ttl must be > 0"),
             (self.vllm_max_lora_rank >= 1, "--vllm-max-lora-rank must be at least 1"),
             (self.vllm_gpu_memory_utilization is None or 0 < self.vllm_gpu_memory_utilization <= 1,
              "--vllm-gpu-memory-utilization must be in (0, 1]"),
@@ -71,6 +77,11 @@ class ServerConfig:
     @property
     def records_path(self) -> Path:
         return self.data_dir / "records.sqlite3"
+
+    @property
+    def url_key_path(self) -> Path:
+        """The secret that signs download URLs (created at first start)."""
+        return self.data_dir / "url_signing.key"
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -15,6 +15,9 @@ from sqlite_utils.db import NotFoundError
 
 SCHEMA_VERSION = 1
 
+_LIVE = "(expires_at is null or expires_at > ?)"
+"""Where-clause for checkpoints not yet expired; its parameter is ``now()``."""
+
 
 def now() -> str:
     """Timestamps are ISO-8601 UTC strings: sortable, readable in the database, and what the SDK's types parse."""
@@ -155,13 +158,18 @@ class Records:
             "expires_at": expires_at, "public": 0, "user_metadata": json.dumps(user_metadata or {}),
         }, replace=True)
 
-    def checkpoint(self, tinker_path: str, owner: str) -> dict | None:
-        """A checkpoint the owner may read: its own, or one another tenant published."""
+    def live_checkpoint(self, tinker_path: str) -> dict | None:
+        """A checkpoint's record unless it is missing or expired, whoever owns it (callers check access)."""
         try:
             row = self.db["checkpoints"].get(tinker_path)
         except NotFoundError:
             return None
-        return row if row["owner"] == owner or row["public"] else None
+        return None if row["expires_at"] is not None and row["expires_at"] <= now() else row
+
+    def checkpoint(self, tinker_path: str, owner: str) -> dict | None:
+        """A checkpoint the owner may read: its own, or one another tenant published; never an expired one."""
+        row = self.live_checkpoint(tinker_path)
+        return row if row is not None and (row["owner"] == owner or row["public"]) else None
 
     def models_page(self, owner: str, limit: int, offset: int) -> tuple[list[dict], int]:
         """The owner's training runs, oldest first, one page; and how many there are in all."""
@@ -170,12 +178,21 @@ class Records:
         return rows, table.count_where("owner = ?", [owner])
 
     def run_checkpoints(self, training_run_id: str) -> list[dict]:
-        return list(self.db["checkpoints"].rows_where("training_run_id = ?", [training_run_id], order_by="created"))
+        return list(self.db["checkpoints"].rows_where(f"training_run_id = ? and {_LIVE}", [training_run_id, now()],
+                                                      order_by="created"))
 
     def user_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[dict], int]:
-        table = self.db["checkpoints"]
-        rows = list(table.rows_where("owner = ?", [owner], order_by="created desc", limit=limit, offset=offset))
-        return rows, table.count_where("owner = ?", [owner])
+        table, where, args = self.db["checkpoints"], f"owner = ? and {_LIVE}", [owner, now()]
+        rows = list(table.rows_where(where, args, order_by="created desc", limit=limit, offset=offset))
+        return rows, table.count_where(where, args)
+
+    def set_checkpoint_expiry(self, tinker_path: str, expires_at: str | None) -> None:
+        self.db["checkpoints"].update(tinker_path, {"expires_at": expires_at})
+
+    def expired_checkpoints(self) -> list[str]:
+        """Paths of checkpoints whose expiry has passed (still recorded until the sweep deletes them)."""
+        return [row["tinker_path"] for row in self.db["checkpoints"].rows_where(
+            "expires_at is not null and expires_at <= ?", [now()], select="tinker_path")]
 
     def delete_checkpoint(self, tinker_path: str) -> None:
         self.db["checkpoints"].delete(tinker_path)
@@ -197,7 +214,8 @@ class Records:
 
     def sampler_checkpoints(self, owner: str) -> list[dict]:
         """Sampler checkpoints the owner may sample from (its own and published ones), oldest first."""
-        return list(self.db["checkpoints"].rows_where("kind = 'sampler' and (owner = ? or public = 1)", [owner],
+        return list(self.db["checkpoints"].rows_where(f"kind = 'sampler' and (owner = ? or public = 1) and {_LIVE}",
+                                                      [owner, now()],
                                                       order_by="created"))
 
     # ---- sampling sessions ----------------------------------------------------------------------------------------

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import quote
 
+from litestar.exceptions import PermissionDeniedException
 from tinker import types
 
+from adapters.trainer import read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path
+from compat_server.downloads import UrlSigner
 from compat_server.records import Records
 from shims.errors import NotFound, UserError
 
@@ -34,9 +40,10 @@ def checkpoint_of(row: dict) -> types.Checkpoint:
 
 
 class RunsService:
-    def __init__(self, records: Records, checkpoints: CheckpointStore) -> None:
+    def __init__(self, records: Records, checkpoints: CheckpointStore, signer: UrlSigner) -> None:
         self.records = records
         self.checkpoints = checkpoints
+        self.signer = signer
 
     def _run(self, owner: str, training_run_id: str) -> dict:
         row = self.records.model(training_run_id, owner)
@@ -92,6 +99,60 @@ class RunsService:
         path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)
         self.records.set_checkpoint_public(path, public)
         log.info("checkpoint %s: %s", "published" if public else "unpublished", path)
+
+    def set_ttl(self, owner: str, training_run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)
+        self.records.set_checkpoint_expiry(path, self.checkpoints.expiry(ttl_seconds))
+        log.info("checkpoint %s expires %s", path, f"in {ttl_seconds} s" if ttl_seconds is not None else "never")
+
+    def _readable(self, owner: str, tinker_path: str) -> tuple[dict, Path]:
+        """A checkpoint's record and directory, if this tenant may read it (its own, or a published one)."""
+        parse_path(tinker_path)
+        row = self.records.checkpoint(tinker_path, owner)
+        directory = self.checkpoints.directory(tinker_path)
+        if row is None or not directory.exists():
+            raise NotFound(f"checkpoint {tinker_path} not found")
+        return row, directory
+
+    def weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
+        """What loading a checkpoint needs to know: base model and LoRA layout."""
+        row, directory = self._readable(owner, tinker_path)
+        spec = read_lora_spec(directory)
+        return types.WeightsInfoResponse(base_model=row["base_model"], is_lora=True, lora_rank=spec.rank,
+                                         train_unembed=spec.train_unembed, train_mlp=spec.train_mlp,
+                                         train_attn=spec.train_attn)
+
+    def download_urls(self, owner: str, tinker_path: str, base_url: str) -> types.ExternalWeightsUrlsResponse:
+        """One signed URL per file of the checkpoint, for plain-HTTP download until they expire."""
+        _, directory = self._readable(owner, tinker_path)
+        urls, expires = {}, 0
+        parsed = parse_path(tinker_path)
+        for file in sorted(f.relative_to(directory).as_posix() for f in directory.rglob("*") if f.is_file()):
+            expires, signature = self.signer.sign(tinker_path, file)
+            urls[file] = (f"{base_url.rstrip('/')}/api/v1/download/{parsed.training_run_id}/{parsed.checkpoint_id}/"
+                          f"{quote(file)}?expires={expires}&signature={signature}")
+        return types.ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, UTC))
+
+    def download_file(self, tinker_path: str, file: str, expires: int, signature: str) -> Path:
+        """The file a signed URL names; a tampered or expired URL is refused, a deleted checkpoint is gone."""
+        if not self.signer.valid(tinker_path, file, expires, signature):
+            raise PermissionDeniedException("this download URL is invalid or has expired; ask for new URLs")
+        directory = self.checkpoints.directory(tinker_path)
+        target = (directory / file).resolve()
+        # the signature already grants access: only existence (and staying inside the checkpoint) is checked
+        if (self.records.live_checkpoint(tinker_path) is None or not target.is_file()
+                or directory.resolve() not in target.parents):
+            raise NotFound(f"{file} of {tinker_path} no longer exists")
+        return target
+
+    def sweep_expired(self) -> int:
+        """Delete every expired checkpoint from the records and the disk; returns how many."""
+        paths = self.records.expired_checkpoints()
+        for path in paths:
+            self.records.delete_checkpoint(path)
+            self.checkpoints.delete(path)
+            log.info("checkpoint expired and deleted: %s", path)
+        return len(paths)
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> types.ListSessionsResponse:
         limit, offset = _page(limit, offset)

@@ -18,6 +18,7 @@ from adapters.trainer_pool import TrainerPlacement, TrainerPool
 from compat_server.checkpoints import CheckpointStore
 from compat_server.completions import CompletionsService
 from compat_server.config import ServerConfig
+from compat_server.downloads import UrlSigner
 from compat_server.futures import FutureHub
 from compat_server.records import Records
 from compat_server.runs import RunsService
@@ -43,8 +44,11 @@ class Services:
     completions: CompletionsService
     runs: RunsService
     base_models: dict[str, BaseModelSpec]
+    sweeper: asyncio.Task | None = None
 
     def stop(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
         self.samplers.stop()
         self.trainers.stop()
 
@@ -95,7 +99,7 @@ async def start_services(config: ServerConfig) -> Services:
     await asyncio.gather(trainers.start(), samplers.start())
     hub = FutureHub(records)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
-    checkpoints = CheckpointStore(config.checkpoint_dir)
+    checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
     sampling = SamplingService(records, scheduler, samplers, checkpoints, config.ephemeral_dir, base_models,
                                SamplingOptions(max_num_samples=config.max_num_samples,
                                                max_logprobs_k=config.max_logprobs_k,
@@ -103,10 +107,23 @@ async def start_services(config: ServerConfig) -> Services:
                                                ephemeral_keep=config.ephemeral_keep,
                                                stability_ttl_seconds=config.stability_ttl))
     training = TrainingService(records, scheduler, checkpoints, base_models, sampling)
-    return Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
+    runs = RunsService(records, checkpoints, UrlSigner(config.url_key_path, config.download_url_ttl))
+    services = Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models),
-                    runs=RunsService(records, checkpoints), base_models=base_models)
+                    runs=runs, base_models=base_models)
+    services.sweeper = asyncio.get_running_loop().create_task(_sweep_expired(runs, config.expiry_sweep_seconds))
+    return services
+
+
+async def _sweep_expired(runs: RunsService, every: float) -> None:
+    """Delete expired checkpoints every ``every`` seconds (they already vanished from listings when they expired)."""
+    while True:
+        try:
+            runs.sweep_expired()
+        except Exception:  # a failed sweep is retried next time; it must not end the loop
+            log.exception("expired-checkpoint sweep failed")
+        await asyncio.sleep(every)
 
 
 def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import asdict
-from datetime import UTC, datetime, timedelta
 
 from tinker import types
 
@@ -169,15 +168,13 @@ class TrainingService:
         path = tinker_path(model_id, kind, name)
         if self.checkpoints.directory(path).exists() and not overwrite:
             raise UserError(f"checkpoint {path} already exists; choose another name")
-        if ttl_seconds is not None and ttl_seconds <= 0:
-            raise UserError(f"ttl_seconds must be positive, got {ttl_seconds}")
+        expires = self.checkpoints.expiry(ttl_seconds)
         staging = self.checkpoints.staging(path)
         try:
             await self.scheduler.trainer(row["base_model"], method, model_id, str(staging))
             size = self.checkpoints.publish(staging, path, overwrite)
         finally:
             self.checkpoints.discard(staging)
-        expires = (datetime.now(UTC) + timedelta(seconds=ttl_seconds)).isoformat() if ttl_seconds else None
         self.records.add_checkpoint(path, training_run_id=model_id, checkpoint_id=parse_path(path).checkpoint_id,
                                     kind=kind, owner=owner, base_model=row["base_model"], size_bytes=size,
                                     expires_at=expires, user_metadata=user_metadata)
@@ -202,6 +199,19 @@ class TrainingService:
             return json_payload(types.SaveWeightsForSamplerResponse(path=path, type="save_weights_for_sampler"))
 
         return self._ordered(owner, "save_weights_for_sampler", req.model_id, req.seq_id, idem, job)
+
+    def save_weights_external(self, owner: str, req: types.SaveWeightsExternalRequest, idem: str | None) -> dict:
+        """The adapter as a standard PEFT directory under ``external_weights/``, for download with
+        ``get_external_weights_urls``."""
+        async def job(row: dict) -> Payload:
+            if req.age_encryption_recipients:
+                raise UserError("age_encryption_recipients is not supported by this server: the files are served "
+                                "only to holders of a signed URL; encrypt them after download if needed")
+            path = await self._save(owner, row, "external", req.path, "save_for_sampler", False, req.ttl_seconds,
+                                    None)
+            return json_payload(types.SaveWeightsExternalResponseInternal(path=path, type="save_weights_external"))
+
+        return self._ordered(owner, "save_weights_external", req.model_id, req.seq_id, idem, job)
 
     async def _save_unnamed_for_sampler(self, owner: str, row: dict, req: types.SaveWeightsForSamplerRequest) -> Payload:
         """``save_weights_and_get_sampling_client``: weights saved outside the checkpoint listing, and a sampling

@@ -53,6 +53,10 @@ TINKER_ROUTES: list[Route] = [
     Route("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}", None, None),
     Route("POST", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", None, None),
     Route("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", None, None),
+    Route("PUT", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", None, None),
+    Route("GET", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls", None,
+          "ExternalWeightsUrlsResponse"),
+    Route("POST", "/api/v1/weights_info", None, "WeightsInfoResponse"),
     Route("GET", "/api/v1/sessions", None, "ListSessionsResponse"),
     Route("GET", "/api/v1/sessions/{session_id}", None, "GetSessionResponse"),
 ]

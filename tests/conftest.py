@@ -35,8 +35,10 @@ def tiny_model_dir(model_cache) -> Path:
 def server(model_cache, tmp_path_factory):
     from tests.server import start_server
 
-    # Every other sample request is re-scored by the trainer, so the drift metric is exercised by the tests.
-    running = start_server(tmp_path_factory.mktemp("server-data"), "--drift-probe-every", "2")
+    # Every other sample request is re-scored by the trainer, so the drift metric is exercised by the tests; TTLs
+    # down to a second and a sweep every second let the expiry tests run in seconds.
+    running = start_server(tmp_path_factory.mktemp("server-data"), "--drift-probe-every", "2",
+                           "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "1")
     yield running
     running.stop()
 

@@ -3,11 +3,24 @@ unpublish, delete), sessions — and that another key sees none of it (404, neve
 
 from __future__ import annotations
 
+import re
+import time
+
+import httpx
+import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
 
-from tests.helpers import BASE_MODEL, make_datum
+from tests.helpers import (
+    BASE_MODEL,
+    checkpoint_dir,
+    forward_logprobs,
+    make_datum,
+    reference_logprobs,
+    reference_peft_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +31,7 @@ def tenant(server):
     client.rest = tinker.RestClient(base_url=server.base_url, api_key=key)
     runs = [client.create_lora_training_client(base_model=BASE_MODEL, rank=2, seed=i).result() for i in range(3)]
     runs[0].forward_backward([make_datum([1, 2, 3], [4, 5])], "cross_entropy").result()
+    runs[0].optim_step(types.AdamParams(learning_rate=1e-2)).result()  # weights that differ from the base model
     state = runs[0].save_state("first").result().path
     sampler = runs[0].save_weights_for_sampler("first-sampler").result().path
     yield client, runs, state, sampler
@@ -90,3 +104,68 @@ def test_deleted_checkpoint_is_gone_with_a_clear_error(tenant):
     with pytest.raises(tinker.RequestFailedError, match="not found"):
         runs[1].load_state(state).result()
     assert _status(rest.delete_checkpoint_from_tinker_path(state)) == 404
+
+
+def test_weights_info_describes_the_lora_layout(tenant):
+    client, _, _, sampler = tenant
+    info = client.rest.get_weights_info_by_tinker_path(sampler).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (BASE_MODEL, True, 2)
+    assert (info.train_mlp, info.train_attn, info.train_unembed) == (True, True, True)
+
+
+def test_checkpoints_expire_and_ttls_are_checked(tenant, server):
+    client, runs, _, _ = tenant
+    rest = client.rest
+    short = runs[2].save_weights_for_sampler("short-lived").result().path
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be between"):
+        rest.set_checkpoint_ttl_from_tinker_path(short, 11 * 365 * 24 * 3600).result()
+    rest.set_checkpoint_ttl_from_tinker_path(short, 2).result()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(runs[2].model_id).result().checkpoints}
+    assert listed[short].expires_at is not None
+    directory = checkpoint_dir(server.data_dir, short)
+    assert directory.exists()
+    deadline = time.monotonic() + 20
+    while directory.exists() and time.monotonic() < deadline:  # the sweep runs every second on this server
+        time.sleep(0.5)
+    assert not directory.exists()
+    assert short not in {c.tinker_path for c in rest.list_checkpoints(runs[2].model_id).result().checkpoints}
+    with pytest.raises(tinker.NotFoundError):
+        client.create_sampling_client(model_path=short).result()
+    kept = runs[2].save_state("kept", ttl_seconds=3600).result().path  # set at save time, then removed again
+    rest.set_checkpoint_ttl_from_tinker_path(kept, None).result()
+    assert next(c for c in rest.list_checkpoints(runs[2].model_id).result().checkpoints
+                if c.tinker_path == kept).expires_at is None
+
+
+def test_download_round_trip_gives_the_same_logprobs(tenant, tiny_model_dir, other, tmp_path):
+    """Signed URLs → plain HTTP → a PEFT directory that loads on the base model and scores like the server."""
+    client, runs, _, _ = tenant
+    exported = runs[0].save_weights_external("export").result().path
+    assert exported.endswith("/external_weights/export")
+    response = client.rest.get_external_weights_urls(exported).result()
+    assert set(response.urls) == {"adapter_config.json", "adapter_model.safetensors"}
+    target = tmp_path / "downloaded"
+    target.mkdir()
+    for name, url in response.urls.items():
+        fetched = httpx.get(url)  # no API key: the signature is the permission
+        assert fetched.status_code == 200
+        (target / name).write_bytes(fetched.content)
+    model = reference_peft_model(tiny_model_dir, target)
+    datum = make_datum([1, 2, 3], [4, 5])
+    with torch.no_grad():
+        expected = reference_logprobs(model, datum).numpy()
+        with model.disable_adapter():
+            base = reference_logprobs(model, datum).numpy()
+    served = forward_logprobs(runs[0], datum)
+    np.testing.assert_allclose(served, expected, atol=1e-4)
+    assert np.abs(served - base).max() > 1e-3  # the downloaded adapter is the trained one, not a no-op
+
+    url = response.urls["adapter_config.json"]
+    tampered = url.replace("adapter_config.json", "adapter_model.safetensors")
+    assert httpx.get(tampered).status_code == 403
+    assert httpx.get(url.replace("signature=", "signature=0")).status_code == 403
+    expired = re.sub(r"expires=\d+", "expires=1000", url)
+    assert httpx.get(expired).status_code == 403
+    with pytest.raises(tinker.NotFoundError):  # another key cannot ask for URLs to unpublished weights
+        other.rest.get_external_weights_urls(exported).result()
+    assert exported in {c.tinker_path for c in client.rest.list_checkpoints(runs[0].model_id).result().checkpoints}

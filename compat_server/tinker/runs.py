@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from litestar import delete, get, post
+from pathlib import Path
+from typing import Annotated
+
+from litestar import Request, delete, get, post, put
 from litestar.di import NamedDependency
-from litestar.params import FromPath, FromQuery
+from litestar.params import Body, FromPath, FromQuery
+from litestar.response import File
+from pydantic import BaseModel
 from tinker import types
 
 from compat_server.services import Services
 
 API = "/api/v1"
+
+
+class TtlBody(BaseModel):
+    """``PUT …/ttl`` body (the SDK sends it as a plain dict; it has no type of its own)."""
+
+    ttl_seconds: int | None = None
+
+
+class WeightsInfoBody(BaseModel):
+    tinker_path: str
 CHECKPOINT = f"{API}/training_runs/{{run_id:str}}/checkpoints/{{kind:str}}/{{name:str}}"
 
 
@@ -55,6 +70,35 @@ async def unpublish_checkpoint(run_id: FromPath[str], kind: FromPath[str], name:
     services.runs.set_public(owner, run_id, f"{kind}/{name}", False)
 
 
+@put(f"{CHECKPOINT}/ttl", status_code=200)
+async def set_checkpoint_ttl(run_id: FromPath[str], kind: FromPath[str], name: FromPath[str],
+                             owner: NamedDependency[str], services: NamedDependency[Services],
+                             data: Annotated[TtlBody, Body()]) -> None:
+    services.runs.set_ttl(owner, run_id, f"{kind}/{name}", data.ttl_seconds)
+
+
+@post(f"{API}/weights_info", status_code=200)
+async def weights_info(owner: NamedDependency[str], services: NamedDependency[Services],
+                       data: Annotated[WeightsInfoBody, Body()]) -> types.WeightsInfoResponse:
+    return services.runs.weights_info(owner, data.tinker_path)
+
+
+@get(f"{CHECKPOINT}/external_weights_urls")
+async def external_weights_urls(request: Request, run_id: FromPath[str], kind: FromPath[str], name: FromPath[str],
+                                owner: NamedDependency[str],
+                                services: NamedDependency[Services]) -> types.ExternalWeightsUrlsResponse:
+    return services.runs.download_urls(owner, f"tinker://{run_id}/{kind}/{name}", str(request.base_url))
+
+
+@get(f"{API}/download/{{run_id:str}}/{{kind:str}}/{{name:str}}/{{file:path}}", media_type="application/octet-stream")
+async def download(run_id: FromPath[str], kind: FromPath[str], name: FromPath[str], file: FromPath[str],
+                   expires: FromQuery[int], signature: FromQuery[str], services: NamedDependency[Services]) -> File:
+    """Needs no API key: the URL's signature is the permission."""
+    relative = file.lstrip("/")
+    path = services.runs.download_file(f"tinker://{run_id}/{kind}/{name}", relative, expires, signature)
+    return File(path, filename=Path(relative).name)
+
+
 @get(f"{API}/sessions")
 async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
                         limit: FromQuery[int] = 20, offset: FromQuery[int] = 0) -> types.ListSessionsResponse:
@@ -68,4 +112,5 @@ async def get_session(session_id: FromPath[str], owner: NamedDependency[str],
 
 
 RUNS_ROUTES = [list_training_runs, get_training_run, list_checkpoints, list_user_checkpoints, delete_checkpoint,
-               publish_checkpoint, unpublish_checkpoint, list_sessions, get_session]
+               publish_checkpoint, unpublish_checkpoint, set_checkpoint_ttl, weights_info, external_weights_urls, download, list_sessions,
+               get_session]

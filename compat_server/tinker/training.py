@@ -85,10 +85,7 @@ async def unload_model(request: Request, owner: NamedDependency[str], services: 
 @post(f"{API}/save_weights_external", status_code=200)
 async def save_weights_external(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                                 data: Annotated[types.SaveWeightsExternalRequest, Body()]) -> dict:
-    """Not offered (weights stay on this server); refused in the model's turn so its queue keeps moving."""
-    return services.training.reject(owner, "save_weights_external", data.model_id, data.seq_id,
-                                    "save_weights_external is not supported by this server; use save_state",
-                                    idempotency_key(request))
+    return services.training.save_weights_external(owner, data, idempotency_key(request))
 
 
 TRAINING_ROUTES = [create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
