@@ -7,6 +7,7 @@ by a hash of its key, which is all the records ever hold.
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 from litestar.connection import ASGIConnection
 from litestar.exceptions import NotAuthorizedException
@@ -32,6 +33,16 @@ def api_key(connection: ASGIConnection) -> str:
     return key
 
 
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
 async def provide_owner(request: ASGIConnection) -> str:
-    """Litestar dependency: the calling tenant's identity (open mode: any well-formed key is its own tenant)."""
-    return owner_of(api_key(request))
+    """Litestar dependency: the calling tenant's identity. ``--auth open``: any well-formed key is its own tenant;
+    ``--auth keys``: only keys registered with ``compat-server keys create`` and not revoked."""
+    owner = owner_of(api_key(request))
+    services = request.app.state.services
+    if services.config.auth_mode == "keys" and not services.records.key_active(owner):
+        raise NotAuthorizedException("unknown or revoked API key: this server accepts only keys created with "
+                                     "`compat-server keys create`")
+    return owner

@@ -81,6 +81,12 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--download-url-ttl", type=float, default=d.download_url_ttl,
                         help="seconds a signed checkpoint download URL (external_weights_urls) stays valid "
                              "(default: %(default)s)")
+    parser.add_argument("--auth", choices=["keys", "open"], default=None,
+                        help="who may call the server. keys: only keys made with 'compat-server keys create' (and "
+                             "not revoked); open: any key starting with 'tml-', each key its own tenant. Default: "
+                             "open when bound to a loopback address, keys otherwise")
+    parser.add_argument("--allow-open-auth", action="store_true",
+                        help="permit --auth open on an address other machines can reach")
     parser.add_argument("--poll-hold-seconds", type=float, default=d.poll_hold_seconds,
                         help="how long retrieve_future waits for a result before answering try_again "
                              "(default: %(default)s)")
@@ -106,7 +112,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(commands.add_parser("serve", help="start the server (see options below)"))
+    keys = commands.add_parser("keys", help="manage API keys for --auth keys: create, list, revoke")
+    keys.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                      help="the server's data directory (default: %(default)s)")
+    actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
+    create = actions.add_parser("create", help="make a new key and print it once (only its hash is stored)")
+    create.add_argument("--name", required=True, help="a unique name to list and revoke the key by")
+    actions.add_parser("list", help="list keys: name, id, created, revoked")
+    revoke = actions.add_parser("revoke", help="revoke a key at once; its requests are refused with 401")
+    revoke.add_argument("key", metavar="NAME_OR_ID")
     return parser
+
+
+def manage_keys(args: argparse.Namespace) -> int:
+    """``compat-server keys …``: works beside a running server (SQLite WAL); revocation applies to its next request."""
+    import secrets
+
+    from compat_server.auth import new_key, owner_of
+    from compat_server.records import Records
+
+    records = Records(args.data_dir.expanduser().resolve() / ServerConfig.RECORDS_FILE)
+    if args.action == "create":
+        key = new_key()
+        try:
+            records.add_key(secrets.token_hex(6), args.name, owner_of(key))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(key)
+        print(f"key {args.name!r} created; it is shown only this once", file=sys.stderr)
+    elif args.action == "list":
+        for row in records.api_keys():
+            state = f"revoked {row['revoked']}" if row["revoked"] else "active"
+            print(f"{row['name']}\t{row['id']}\tcreated {row['created']}\t{state}")
+    elif not records.revoke_key(args.key):
+        print(f"error: no active key named or with id {args.key!r}", file=sys.stderr)
+        return 1
+    else:
+        print(f"key {args.key!r} revoked", file=sys.stderr)
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -122,7 +166,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
         stability_ttl=args.stability_ttl, min_checkpoint_ttl=args.min_checkpoint_ttl,
         expiry_sweep_seconds=args.expiry_sweep_seconds, download_url_ttl=args.download_url_ttl,
-        poll_hold_seconds=args.poll_hold_seconds,
+        auth=args.auth, allow_open_auth=args.allow_open_auth, poll_hold_seconds=args.poll_hold_seconds,
         seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
         log_level=args.log_level,
     )
@@ -145,8 +189,8 @@ def serve(config: ServerConfig) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             host = f"[{config.host}]" if ":" in config.host else config.host
-            log.info("compat-server ready at http://%s:%d — base models: %s — data: %s", host, config.port,
-                     ", ".join(config.base_models), config.data_dir)
+            log.info("compat-server ready at http://%s:%d — base models: %s — data: %s — auth: %s", host,
+                     config.port, ", ".join(config.base_models), config.data_dir, config.auth_mode)
         await task
 
     asyncio.run(run())
@@ -160,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command is None:
         parser.print_help()
         return
+    if args.command == "keys":
+        sys.exit(manage_keys(args))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     # Quiet third-party progress bars in the server and in the Ray workers it starts (they inherit the environment).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,10 @@ class ServerConfig:
     min_checkpoint_ttl: float = 3600.0
     expiry_sweep_seconds: float = 60.0
     download_url_ttl: float = 3600.0
+    auth: str | None = None
+    """``keys`` (registered keys only) or ``open`` (any ``tml-`` key is its own tenant); unset: ``open`` on a
+    loopback address, ``keys`` otherwise."""
+    allow_open_auth: bool = False
     poll_hold_seconds: float = 5.0
     seq_gap_timeout: float = 120.0
     max_body_mb: int = 64
@@ -70,13 +75,30 @@ class ServerConfig:
             (self.poll_hold_seconds >= 0, "--poll-hold-seconds must be ≥ 0"),
             (self.seq_gap_timeout > 0, "--seq-gap-timeout must be > 0"),
             (self.max_body_mb >= 1, "--max-body-mb must be at least 1"),
+            (self.auth in (None, "keys", "open"), "--auth must be keys or open"),
+            (self.auth != "open" or self.loopback or self.allow_open_auth,
+             (f"--auth open on {self.host} would let anyone with network access in with any tml- key; use --auth "
+             "keys (and compat-server keys create), or add --allow-open-auth if that is really intended")),
         ] if not ok]
         if problems:
             raise ValueError("; ".join(problems))
 
+    RECORDS_FILE = "records.sqlite3"
+
     @property
     def records_path(self) -> Path:
-        return self.data_dir / "records.sqlite3"
+        return self.data_dir / self.RECORDS_FILE
+
+    @property
+    def loopback(self) -> bool:
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host == "localhost"
+
+    @property
+    def auth_mode(self) -> str:
+        return self.auth or ("open" if self.loopback else "keys")
 
     @property
     def url_key_path(self) -> Path:

@@ -65,12 +65,16 @@ class Records:
             "sequence_id": str, "session_id": str, "owner": str, "prompt": str, "tokens": str, "logprobs": str,
             "created": str, "last_used": str,
         }, pk="sequence_id", if_not_exists=True)
+        db["api_keys"].create({"id": str, "name": str, "owner": str, "created": str, "revoked": str},
+                               pk="id", if_not_exists=True)
         db["telemetry"].create({"id": int, "owner": str, "session_id": str, "events": int, "received": str},
                                pk="id", if_not_exists=True)
         db["futures"].create_index(["owner", "idempotency_key"], if_not_exists=True)
         db["models"].create_index(["owner"], if_not_exists=True)
         db["checkpoints"].create_index(["training_run_id"], if_not_exists=True)
         db["stability_records"].create_index(["last_used"], if_not_exists=True)
+        db["api_keys"].create_index(["name"], unique=True, if_not_exists=True)
+        db["api_keys"].create_index(["owner"], if_not_exists=True)
 
     # ---- sessions -------------------------------------------------------------------------------------------------
     def create_session(self, session_id: str, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
@@ -232,6 +236,25 @@ class Records:
 
     def sampler(self, sampler_id: str, owner: str) -> dict | None:
         return self._owned("samplers", sampler_id, owner)
+
+    # ---- API keys (--auth keys) ----------------------------------------------------------------------------------
+    def add_key(self, key_id: str, name: str, owner: str) -> None:
+        """Register a key by its tenant hash (the key itself is never stored)."""
+        if self.db["api_keys"].count_where("name = ?", [name]):
+            raise ValueError(f"a key named {name!r} already exists")
+        self.db["api_keys"].insert({"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None})
+
+    def api_keys(self) -> list[dict]:
+        return list(self.db["api_keys"].rows_where(order_by="created", select="id, name, created, revoked"))
+
+    def revoke_key(self, name_or_id: str) -> bool:
+        """Revoke by name or id; False when no active key matches."""
+        with self.db.conn:
+            return self.db.conn.execute("UPDATE api_keys SET revoked = ? WHERE (name = ? OR id = ?) AND revoked IS NULL",
+                                        [now(), name_or_id, name_or_id]).rowcount > 0
+
+    def key_active(self, owner: str) -> bool:
+        return self.db["api_keys"].count_where("owner = ? AND revoked IS NULL", [owner]) > 0
 
     # ---- stability info (stable_reinforce) -------------------------------------------------------------------------
     def record_sequences(self, owner: str, session_id: str,

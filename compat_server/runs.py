@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import uuid
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import quote
@@ -16,9 +20,10 @@ from litestar.exceptions import PermissionDeniedException
 from tinker import types
 
 from adapters.trainer import read_lora_spec
-from compat_server.checkpoints import CheckpointStore, parse_path
+from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.downloads import UrlSigner
 from compat_server.records import Records
+from compat_server.training import model_id_for
 from shims.errors import NotFound, UserError
 
 log = logging.getLogger("compat_server.runs")
@@ -144,6 +149,45 @@ class RunsService:
                 or directory.resolve() not in target.parents):
             raise NotFound(f"{file} of {tinker_path} no longer exists")
         return target
+
+    def copy_weights(self, owner: str, req: types.CopyWeightsRequest) -> types.CopyWeightsResponse:
+        """A copy of a readable checkpoint (its own, or a published one) owned by the caller, in a new training run
+        that lists like any other but cannot be trained. Files are hard links: no bytes are duplicated, and deleting
+        either side leaves the other intact."""
+        row, directory = self._readable(owner, req.source_path)
+        if req.weights_access_token:
+            raise UserError("weights_access_token is not supported by this server; have the owner publish the "
+                            "checkpoint instead")
+        if req.session_id is not None:
+            if req.model_seq_id is None:
+                raise UserError("copy_weights with a session_id needs model_seq_id too")
+            if self.records.session(req.session_id, owner) is None:
+                raise NotFound(f"session {req.session_id!r} not found")
+            run_id = model_id_for(req.session_id, req.model_seq_id)
+            if self.records.model(run_id, owner) is not None:
+                raise UserError(f"training run {run_id} already exists")
+        elif req.destination_project_id:
+            run_id = f"copy-{uuid.uuid4().hex[:16]}"
+        else:
+            raise UserError("copy_weights needs a destination_project_id, or a session_id and model_seq_id")
+        source = parse_path(req.source_path)
+        path = tinker_path(run_id, source.checkpoint_type, source.checkpoint_id.split("/", 1)[1])
+        expires = self.checkpoints.expiry(req.ttl_seconds)
+        staging = self.checkpoints.staging(path)
+        try:
+            shutil.copytree(directory, staging, copy_function=os.link)
+            size = self.checkpoints.publish(staging, path, overwrite=False)
+        finally:
+            self.checkpoints.discard(staging)
+        self.records.create_model(run_id, session_id=req.session_id or "", owner=owner, base_model=row["base_model"],
+                                  lora=asdict(read_lora_spec(directory)),
+                                  user_metadata={"copied_from": req.source_path})
+        self.records.set_model_status(run_id, "a read-only copy")
+        self.records.add_checkpoint(path, training_run_id=run_id, checkpoint_id=parse_path(path).checkpoint_id,
+                                    kind=source.checkpoint_type, owner=owner, base_model=row["base_model"],
+                                    size_bytes=size, expires_at=expires, user_metadata=None)
+        log.info("checkpoint copied: %s → %s", req.source_path, path)
+        return types.CopyWeightsResponse(tinker_path=path)
 
     def sweep_expired(self) -> int:
         """Delete every expired checkpoint from the records and the disk; returns how many."""

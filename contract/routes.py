@@ -57,6 +57,7 @@ TINKER_ROUTES: list[Route] = [
     Route("GET", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls", None,
           "ExternalWeightsUrlsResponse"),
     Route("POST", "/api/v1/weights_info", None, "WeightsInfoResponse"),
+    Route("POST", "/api/v1/copy_weights", "CopyWeightsRequest", "CopyWeightsResponse"),
     Route("GET", "/api/v1/sessions", None, "ListSessionsResponse"),
     Route("GET", "/api/v1/sessions/{session_id}", None, "GetSessionResponse"),
 ]

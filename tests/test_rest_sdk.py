@@ -169,3 +169,25 @@ def test_download_round_trip_gives_the_same_logprobs(tenant, tiny_model_dir, oth
     with pytest.raises(tinker.NotFoundError):  # another key cannot ask for URLs to unpublished weights
         other.rest.get_external_weights_urls(exported).result()
     assert exported in {c.tinker_path for c in client.rest.list_checkpoints(runs[0].model_id).result().checkpoints}
+
+
+def test_copy_weights_makes_an_independent_read_only_copy(tenant, other):
+    client, runs, _, sampler = tenant
+    client.rest.publish_checkpoint_from_tinker_path(sampler).result()
+    try:
+        copied = other.rest.copy_weights(sampler, "proj-archive").result()  # another key copies a published one
+    finally:
+        client.rest.unpublish_checkpoint_from_tinker_path(sampler).result()
+    assert copied != sampler and copied.endswith("/sampler_weights/first-sampler")
+    run_id = copied.split("/")[2]
+    assert other.rest.get_training_run(run_id).result().last_sampler_checkpoint.tinker_path == copied
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    mine = client.create_sampling_client(model_path=sampler).result().sample(prompt, 1, greedy).result()
+    theirs = other.create_sampling_client(model_path=copied).result().sample(prompt, 1, greedy).result()
+    assert theirs.sequences[0].tokens == mine.sequences[0].tokens  # the same weights
+    with pytest.raises(tinker.NotFoundError):  # unpublished again: no further copies
+        other.rest.copy_weights(sampler, "proj-archive").result()
+    client.rest.delete_checkpoint_from_tinker_path(sampler).result()  # the owner's delete leaves the copy intact
+    again = other.create_sampling_client(model_path=copied).result().sample(prompt, 1, greedy).result()
+    assert again.sequences[0].tokens == mine.sequences[0].tokens

@@ -99,6 +99,12 @@ async def download(run_id: FromPath[str], kind: FromPath[str], name: FromPath[st
     return File(path, filename=Path(relative).name)
 
 
+@post(f"{API}/copy_weights", status_code=200)
+async def copy_weights(owner: NamedDependency[str], services: NamedDependency[Services],
+                       data: Annotated[types.CopyWeightsRequest, Body()]) -> types.CopyWeightsResponse:
+    return services.runs.copy_weights(owner, data)
+
+
 @get(f"{API}/sessions")
 async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
                         limit: FromQuery[int] = 20, offset: FromQuery[int] = 0) -> types.ListSessionsResponse:
@@ -112,5 +118,5 @@ async def get_session(session_id: FromPath[str], owner: NamedDependency[str],
 
 
 RUNS_ROUTES = [list_training_runs, get_training_run, list_checkpoints, list_user_checkpoints, delete_checkpoint,
-               publish_checkpoint, unpublish_checkpoint, set_checkpoint_ttl, weights_info, external_weights_urls, download, list_sessions,
-               get_session]
+               publish_checkpoint, unpublish_checkpoint, set_checkpoint_ttl, weights_info, external_weights_urls, download, copy_weights,
+               list_sessions, get_session]
