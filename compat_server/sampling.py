@@ -140,7 +140,7 @@ class SamplingService:
     # ---- sampling sessions ----------------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, req: types.CreateSamplingSessionRequest) -> str:
         if self.records.session(req.session_id, owner) is None:
-            raise UserError(f"unknown session_id {req.session_id!r}")
+            raise NotFound(f"unknown session_id {req.session_id!r}")
         sampler_id = sampler_id_for(req.session_id, req.sampling_session_seq_id)
         existing = self.records.sampler(sampler_id, owner)
         if existing is not None:  # a retried request: the same answer, nothing created twice
@@ -166,7 +166,7 @@ class SamplingService:
     def get_sampler(self, owner: str, sampler_id: str) -> types.GetSamplerResponse:
         row = self.records.sampler(sampler_id, owner)
         if row is None:
-            raise UserError(f"unknown sampling session {sampler_id!r}")
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
         return types.GetSamplerResponse(sampler_id=sampler_id, base_model=row["base_model"],
                                         model_path=row["model_path"])
 
@@ -225,7 +225,7 @@ class SamplingService:
         if req.sampling_session_id is not None:
             row = self.records.sampler(req.sampling_session_id, owner)
             if row is None:
-                raise UserError(f"unknown sampling session {req.sampling_session_id!r}")
+                raise NotFound(f"unknown sampling session {req.sampling_session_id!r}")
             return row["base_model"], row
         if req.model_path:
             ckpt, ref = self._sampler_checkpoint(owner, req.model_path)

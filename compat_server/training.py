@@ -19,7 +19,7 @@ from compat_server.futures import JSON, PROTOBUF, Payload
 from compat_server.records import Records
 from compat_server.sampling import SamplingService
 from compat_server.scheduler import Scheduler
-from shims.errors import UserError
+from shims.errors import NotFound, UserError
 from shims.training_wire import ForwardBackwardBatch, encode_forward_backward_output
 
 log = logging.getLogger("compat_server.training")
@@ -52,7 +52,7 @@ class TrainingService:
     def _owned_model(self, owner: str, model_id: str) -> dict:
         row = self.records.model(model_id, owner)
         if row is None:
-            raise UserError(f"unknown model_id {model_id!r}")
+            raise NotFound(f"unknown model_id {model_id!r}")
         if row["status"] != "active":
             raise UserError(f"model {model_id} is {row['status']}; create a new training client")
         return row
@@ -84,7 +84,7 @@ class TrainingService:
 
         async def job() -> Payload:
             if self.records.session(req.session_id, owner) is None:
-                raise UserError(f"unknown session_id {req.session_id!r}")
+                raise NotFound(f"unknown session_id {req.session_id!r}")
             base = self._base(req.base_model)
             if req.lora_config is None:
                 raise UserError("lora_config is required: this server trains LoRA adapters")
@@ -108,7 +108,7 @@ class TrainingService:
     def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
         row = self.records.model(model_id, owner)
         if row is None:
-            raise UserError(f"unknown model_id {model_id!r}")
+            raise NotFound(f"unknown model_id {model_id!r}")
         base = self.base_models[row["base_model"]]
         facts = self.scheduler.trainers.facts[base.name]
         return types.GetInfoResponse(
@@ -253,7 +253,7 @@ class TrainingService:
 
         async def job() -> Payload:
             if self.records.session(req.session_id, owner) is None:
-                raise UserError(f"unknown session_id {req.session_id!r}")
+                raise NotFound(f"unknown session_id {req.session_id!r}")
             if self.records.model(model_id, owner) is not None:
                 raise UserError(f"model {model_id} already exists")
             ckpt = self._readable_checkpoint(owner, req.path)

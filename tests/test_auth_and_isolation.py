@@ -76,7 +76,12 @@ def test_another_key_cannot_reach_private_objects(server, service_client):
     assert httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers=mine, json=poll,
                       timeout=60).status_code == 200
     info = httpx.post(f"{server.base_url}/api/v1/get_info", headers=theirs, json={"model_id": owner.model_id})
-    assert info.status_code == 400 and "unknown model_id" in info.text
+    assert info.status_code == 404 and "unknown model_id" in info.text
+    created = httpx.post(f"{server.base_url}/api/v1/create_sampling_session", headers=mine, json={
+        "session_id": service_client.holder.get_session_id(), "sampling_session_seq_id": 9999,
+        "base_model": BASE_MODEL}).json()["sampling_session_id"]
+    assert httpx.get(f"{server.base_url}/api/v1/samplers/{created}", headers=mine).status_code == 200
+    assert httpx.get(f"{server.base_url}/api/v1/samplers/{created}", headers=theirs).status_code == 404
 
     stranger = tinker.ServiceClient(base_url=server.base_url, api_key=theirs["X-API-Key"])
     try:

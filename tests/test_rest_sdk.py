@@ -3,8 +3,13 @@ unpublish, delete), sessions — and that another key sees none of it (404, neve
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -172,7 +177,7 @@ def test_download_round_trip_gives_the_same_logprobs(tenant, tiny_model_dir, oth
 
 
 def test_copy_weights_makes_an_independent_read_only_copy(tenant, other):
-    client, runs, _, sampler = tenant
+    client, _, _, sampler = tenant
     client.rest.publish_checkpoint_from_tinker_path(sampler).result()
     try:
         copied = other.rest.copy_weights(sampler, "proj-archive").result()  # another key copies a published one
@@ -191,3 +196,30 @@ def test_copy_weights_makes_an_independent_read_only_copy(tenant, other):
     client.rest.delete_checkpoint_from_tinker_path(sampler).result()  # the owner's delete leaves the copy intact
     again = other.create_sampling_client(model_path=copied).result().sample(prompt, 1, greedy).result()
     assert again.sequences[0].tokens == mine.sequences[0].tokens
+
+
+def test_the_sdk_cli_lists_and_downloads(server, tmp_path):
+    """The SDK's own ``tinker`` command: list runs and checkpoints, and ``checkpoint download`` (which loads the
+    training checkpoint into a new run, exports it with save_weights_external, fetches the signed URLs and deletes
+    the export) giving a PEFT directory."""
+    key = "tml-test-cli"
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    run = client.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+    state = run.save_state("cli").result().path
+    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": key}
+    cli = [str(Path(sys.executable).with_name("tinker")), "--format", "json"]
+
+    def tinker_cli(*args: str) -> dict:
+        done = subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=180, check=False)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert run.model_id in json.dumps(tinker_cli("run", "list"))
+    assert state in json.dumps(tinker_cli("checkpoint", "list", "--run-id", run.model_id))
+    tinker_cli("checkpoint", "download", state, "--output", str(tmp_path))
+    (downloaded,) = tmp_path.iterdir()
+    assert {f.name for f in downloaded.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    rest = tinker.RestClient(base_url=server.base_url, api_key=key)
+    kinds = {c.checkpoint_type for c in rest.list_user_checkpoints().result().checkpoints}
+    assert kinds == {"training"}  # the temporary export was deleted again
+    client.close("success")
