@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tinker.types import ParsedCheckpointTinkerPath
 
-from shims.errors import UserError
+from compat_server.records import Records
+from shims.errors import NotFound, UserError
 
 KIND_DIRS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -69,6 +70,16 @@ class CheckpointStore:
             raise UserError(f"ttl_seconds must be between {self.min_ttl_seconds:g} and {MAX_TTL_SECONDS} "
                             f"(ten years), or None for no expiry; got {ttl_seconds}")
         return (datetime.now(UTC) + timedelta(seconds=ttl_seconds)).isoformat()
+
+    def readable(self, records: Records, owner: str, path: str, what: str = "checkpoint") -> tuple[dict, Path]:
+        """A checkpoint's record and directory, if ``owner`` may read it (its own, or a published one) and it is
+        there; otherwise "not found", exactly as for a path that never existed."""
+        parse_path(path)
+        row = records.checkpoint(path, owner)
+        directory = self.directory(path)
+        if row is None or not directory.exists():
+            raise NotFound(f"{what} {path} not found")
+        return row, directory
 
     def directory(self, path: str) -> Path:
         parsed = parse_path(path)

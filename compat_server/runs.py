@@ -110,18 +110,9 @@ class RunsService:
         self.records.set_checkpoint_expiry(path, self.checkpoints.expiry(ttl_seconds))
         log.info("checkpoint %s expires %s", path, f"in {ttl_seconds} s" if ttl_seconds is not None else "never")
 
-    def _readable(self, owner: str, tinker_path: str) -> tuple[dict, Path]:
-        """A checkpoint's record and directory, if this tenant may read it (its own, or a published one)."""
-        parse_path(tinker_path)
-        row = self.records.checkpoint(tinker_path, owner)
-        directory = self.checkpoints.directory(tinker_path)
-        if row is None or not directory.exists():
-            raise NotFound(f"checkpoint {tinker_path} not found")
-        return row, directory
-
     def weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
         """What loading a checkpoint needs to know: base model and LoRA layout."""
-        row, directory = self._readable(owner, tinker_path)
+        row, directory = self.checkpoints.readable(self.records, owner, tinker_path)
         spec = read_lora_spec(directory)
         return types.WeightsInfoResponse(base_model=row["base_model"], is_lora=True, lora_rank=spec.rank,
                                          train_unembed=spec.train_unembed, train_mlp=spec.train_mlp,
@@ -129,7 +120,7 @@ class RunsService:
 
     def download_urls(self, owner: str, tinker_path: str, base_url: str) -> types.ExternalWeightsUrlsResponse:
         """One signed URL per file of the checkpoint, for plain-HTTP download until they expire."""
-        _, directory = self._readable(owner, tinker_path)
+        _, directory = self.checkpoints.readable(self.records, owner, tinker_path)
         urls, expires = {}, 0
         parsed = parse_path(tinker_path)
         for file in sorted(f.relative_to(directory).as_posix() for f in directory.rglob("*") if f.is_file()):
@@ -154,7 +145,7 @@ class RunsService:
         """A copy of a readable checkpoint (its own, or a published one) owned by the caller, in a new training run
         that lists like any other but cannot be trained. Files are hard links: no bytes are duplicated, and deleting
         either side leaves the other intact."""
-        row, directory = self._readable(owner, req.source_path)
+        row, directory = self.checkpoints.readable(self.records, owner, req.source_path)
         if req.weights_access_token:
             raise UserError("weights_access_token is not supported by this server; have the owner publish the "
                             "checkpoint instead")
@@ -183,7 +174,7 @@ class RunsService:
                                   lora=asdict(read_lora_spec(directory)),
                                   user_metadata={"copied_from": req.source_path})
         self.records.set_model_status(run_id, "a read-only copy")
-        self.records.add_checkpoint(path, training_run_id=run_id, checkpoint_id=parse_path(path).checkpoint_id,
+        self.records.add_checkpoint(path, training_run_id=run_id, checkpoint_id=source.checkpoint_id,
                                     kind=source.checkpoint_type, owner=owner, base_model=row["base_model"],
                                     size_bytes=size, expires_at=expires, user_metadata=None)
         log.info("checkpoint copied: %s → %s", req.source_path, path)

@@ -181,12 +181,10 @@ class SamplingService:
         again under a reused name are never mistaken for the ones a sampler already holds."""
         parsed = parse_path(path)
         if parsed.checkpoint_type != "sampler":
-            raise UserError(f"{path} holds training state (weights/); sample from sampler weights instead: save them "
-                            "with save_weights_for_sampler and use the tinker://…/sampler_weights/… path it returns")
-        ckpt = self.records.checkpoint(path, owner)
-        directory = self.checkpoints.directory(path)
-        if ckpt is None or not directory.exists():
-            raise NotFound(f"sampler checkpoint {path} not found")
+            held = "training state (weights/)" if parsed.checkpoint_type == "training" else "exported weights"
+            raise UserError(f"{path} holds {held}; sample from sampler weights instead: save them with "
+                            "save_weights_for_sampler and use the tinker://…/sampler_weights/… path it returns")
+        ckpt, directory = self.checkpoints.readable(self.records, owner, path, "sampler checkpoint")
         self._base(ckpt["base_model"])  # trained on a base model this server no longer serves
         return ckpt, AdapterRef(f"{path}@{ckpt['created']}", str(directory))
 

@@ -270,11 +270,7 @@ class TrainingService:
                                                   idempotency_key=idem), model_id)
 
     def _readable_checkpoint(self, owner: str, path: str) -> dict:
-        parse_path(path)
-        ckpt = self.records.checkpoint(path, owner)
-        if ckpt is None or not self.checkpoints.directory(path).exists():
-            raise UserError(f"checkpoint {path} not found")
-        return ckpt
+        return self.checkpoints.readable(self.records, owner, path)[0]
 
     async def _load(self, base_model: str, model_id: str, path: str, with_optimizer: bool) -> LoraSpec:
         directory = self.checkpoints.directory(path)
