@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from adapters.tiny_model import TINY_MODEL_NAME, ensure_tiny_model, install_in_hf_cache
 
 
 @dataclass(frozen=True)
@@ -16,17 +16,22 @@ class BaseModelSpec:
     """The name clients use (``base_model`` in create_model, ``model_name`` in capabilities)."""
     location: str
     """A local directory, or a Hugging Face repo id resolved from the local cache."""
+    tokenizer: str | None = None
+    """What clients pass to ``AutoTokenizer.from_pretrained`` (``get_info``'s ``tokenizer_id``); unset: the
+    location."""
 
     @property
     def tokenizer_id(self) -> str:
-        """What ``AutoTokenizer.from_pretrained`` should be given: the same location as the weights."""
-        return self.location
+        return self.tokenizer or self.location
 
 
 def resolve_base_model(name: str, cache_root: Path | None = None) -> BaseModelSpec:
     """Resolve an operator-given model name: the built-in tiny model, a local directory, or a Hugging Face id."""
     if name == TINY_MODEL_NAME:
-        return BaseModelSpec(name=name, location=str(ensure_tiny_model(cache_root)))
+        # Also installed in the Hugging Face cache under its name, so clients load its tokenizer by name, offline.
+        directory = ensure_tiny_model(cache_root)
+        install_in_hf_cache(directory, TINY_MODEL_NAME)
+        return BaseModelSpec(name=name, location=str(directory), tokenizer=TINY_MODEL_NAME)
     path = Path(name).expanduser()
     if path.is_dir():
         return BaseModelSpec(name=name, location=str(path.resolve()))

@@ -7,6 +7,7 @@ Building twice gives byte-identical weights, so checkpoints trained on one machi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -136,3 +137,44 @@ def ensure_tiny_model(cache_root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def install_in_hf_cache(directory: Path, repo_id: str) -> Path:
+    """Make ``repo_id`` load offline, like any downloaded model: a snapshot of ``directory`` in the Hugging Face hub
+    cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``) with ``refs/main`` pointing
+    at it. Then ``AutoTokenizer.from_pretrained(repo_id)`` works with ``HF_HUB_OFFLINE=1`` on this machine, which is
+    how Tinker clients (the SDK's ``get_tokenizer``, tinker-cookbook recipes) load a tokenizer by model name.
+
+    The revision is a hash of the files, so a rebuilt model gets a new snapshot; concurrent installs are safe (each
+    stages its own copy and renames it into place).
+    """
+    from huggingface_hub import constants
+
+    files = sorted(f for f in directory.iterdir() if f.is_file())
+    digest = hashlib.sha1()
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(hashlib.sha1(file.read_bytes()).digest())
+    revision = digest.hexdigest()
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    if not (snapshot / "config.json").exists():
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=snapshot.parent))
+        try:
+            for file in files:
+                shutil.copy2(file, staging / file.name)
+            os.chmod(staging, 0o755)
+            try:
+                os.rename(staging, snapshot)
+            except OSError:
+                if not (snapshot / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    refs = repo / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    ref = refs / f".main-{os.getpid()}"
+    ref.write_text(revision)
+    os.replace(ref, refs / "main")
+    return snapshot

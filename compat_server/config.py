@@ -48,7 +48,9 @@ class ServerConfig:
     """``keys`` (registered keys only) or ``open`` (any ``tml-`` key is its own tenant); unset: ``open`` on a
     loopback address, ``keys`` otherwise."""
     allow_open_auth: bool = False
-    poll_hold_seconds: float = 5.0
+    poll_hold_seconds: float = 30.0
+    """The SDK waits up to 45 s for a retrieve_future answer and logs a warning on every try_again, so polls are
+    held long, not answered early."""
     seq_gap_timeout: float = 120.0
     max_body_mb: int = 64
     access_log: bool = False

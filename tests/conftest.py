@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
-# Tests never touch a model hub; the tinker SDK's get_tokenizer() must resolve locally.
+# Tests never touch a model hub; the tinker SDK's get_tokenizer() must resolve locally, from a Hugging Face cache of
+# their own (the server installs the tiny model there under its name) rather than the user's.
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_CACHE", tempfile.mkdtemp(prefix="compat-server-test-hf-"))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -52,3 +52,20 @@ def test_the_ready_line_and_lifecycle_logs_are_readable(two_model_server):
     assert f"compat-server ready at {server.base_url} — base models: {BASE_MODEL}, {local}" in log
     assert "model created:" in log and "forward_backward done:" in log and "tokens/s" in log
     assert "checkpoint saved: tinker://" in log
+
+
+def test_the_tiny_model_installs_into_a_hugging_face_cache_by_name(tiny_model_dir, tmp_path, monkeypatch):
+    """A snapshot plus refs/main, as the hub client leaves them: loadable by repo id offline, idempotent."""
+    from huggingface_hub import constants
+    from transformers import AutoTokenizer
+
+    from adapters.tiny_model import TINY_MODEL_NAME, install_in_hf_cache
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = install_in_hf_cache(tiny_model_dir, TINY_MODEL_NAME)
+    assert install_in_hf_cache(tiny_model_dir, TINY_MODEL_NAME) == snapshot  # a second install changes nothing
+    repo = tmp_path / "models--compat-server--tiny-qwen3"
+    assert (repo / "refs" / "main").read_text() == snapshot.name
+    by_name = AutoTokenizer.from_pretrained(TINY_MODEL_NAME, cache_dir=str(tmp_path), local_files_only=True)
+    by_path = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert by_name.encode("héllo Paris") == by_path.encode("héllo Paris")

@@ -40,7 +40,10 @@ def test_capabilities_info_tokenizer_and_loss_falls(service_client, server):
     info = client.get_info()
     assert info.model_data.model_name == BASE_MODEL and info.model_data.arch == "Qwen3ForCausalLM"
     assert info.is_lora and info.lora_rank == 8
-    tokenizer = client.get_tokenizer()  # offline: HF_HUB_OFFLINE=1 is set for the whole test session
+    # By name, offline (HF_HUB_OFFLINE=1 for the whole session): the server installed the tiny model into the Hugging
+    # Face cache under its name, as a downloaded model would be.
+    assert info.model_data.tokenizer_id == BASE_MODEL
+    tokenizer = client.get_tokenizer()
     prompt = tokenizer.encode("The capital of France is")
     completion = tokenizer.encode(" Paris.") + [tokenizer.eos_token_id]
     assert tokenizer.decode(prompt + completion[:-1]) == "The capital of France is Paris."
