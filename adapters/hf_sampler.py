@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adapters.batching import Coalescer
 from adapters.sampler import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
 from shims.sampling_math import StopMatcher, choose_token, score_prompt, sequence_generators, top_k
@@ -31,11 +32,10 @@ PROMPT_LOGITS_BUDGET = 1 << 28
 a request that would exceed it with others waits for a batch of its own."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Request:
     adapter: AdapterRef | None
     job: SampleJob
-    future: asyncio.Future
     on_token: OnToken | None = None
 
 
@@ -80,9 +80,7 @@ class TransformersSampler:
         self.max_batch_sequences = max_batch_sequences
         self.adapters = ResidentAdapters(max_resident)
         self.peft = None
-        self._pending: list[_Request] = []
-        self._wake: asyncio.Event | None = None
-        self._server: asyncio.Task | None = None
+        self._batches = Coalescer(self._run_in_thread, self._batch_size)
         self.batches = 0
 
     def facts(self) -> SamplerFacts:
@@ -95,59 +93,34 @@ class TransformersSampler:
         return {"batches": self.batches, "resident_adapters": self.resident()}
 
     async def close(self) -> None:
-        """Stop the batching loop (requests still waiting fail as cancelled)."""
-        if self._server is not None:
-            self._server.cancel()
-            await asyncio.gather(self._server, return_exceptions=True)
+        """Stop batching (requests still waiting fail as cancelled)."""
+        await self._batches.close()
 
     # ---- request intake -------------------------------------------------------------------------------------------
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
-        if self._server is None or self._server.done():  # first call, or the previous event loop has ended
-            self._wake = asyncio.Event()
-            self._server = asyncio.get_running_loop().create_task(self._serve())
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(adapter, job, future, on_token))
-        self._wake.set()
-        return await future
+        """Requests waiting when the model becomes free run together as one batch, in a worker thread."""
+        return await self._batches.submit(_Request(adapter, job, on_token))
 
-    async def _serve(self) -> None:
-        """Form a batch from whatever is waiting, run it in a worker thread, repeat. Requests arriving meanwhile
-        wait for the next batch."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                batch = self._take_batch()
-                try:
-                    outcomes = await asyncio.to_thread(self._run_batch, [(r.adapter, r.job, r.on_token) for r in batch])
-                except Exception as exc:  # noqa: BLE001 - every waiting caller must hear about the failure
-                    outcomes = [exc] * len(batch)
-                for r, outcome in zip(batch, outcomes):
-                    if r.future.done():
-                        continue
-                    if isinstance(outcome, BaseException):
-                        r.future.set_exception(outcome)
-                    else:
-                        r.future.set_result(outcome)
+    async def _run_in_thread(self, batch: list[_Request]) -> list[SampleResult | Exception]:
+        return await asyncio.to_thread(self._run_batch, [(r.adapter, r.job, r.on_token) for r in batch])
 
-    def _take_batch(self) -> list[_Request]:
-        """Oldest first, up to ``max_batch_sequences`` rows, at most as many distinct adapters as may be resident,
-        and prompt-scoring logits (rows × prompt length × vocabulary) within ``PROMPT_LOGITS_BUDGET``; the first
-        request always goes, whatever its size."""
-        batch, rows, keys, longest, scoring = [], 0, set(), 0, False
-        for request in list(self._pending):
+    def _batch_size(self, pending: list[_Request]) -> int:
+        """How many of the oldest waiting requests fit one batch: up to ``max_batch_sequences`` rows, at most as many
+        distinct adapters as may be resident, and prompt-scoring logits (rows × prompt length × vocabulary) within
+        ``PROMPT_LOGITS_BUDGET``; the first request always goes, whatever its size."""
+        count, rows, keys, longest, scoring = 0, 0, set(), 0, False
+        for request in pending:
             job = request.job
             new_keys = keys | ({request.adapter.key} if request.adapter else set())
             new_longest, new_rows = max(longest, len(job.prompt)), rows + job.num_samples
             new_scoring = scoring or job.needs_prompt_scores
             logit_cells = new_rows * new_longest * self._facts.vocab_size if new_scoring else 0
-            if batch and (new_rows > self.max_batch_sequences or len(new_keys) > self.adapters.capacity
+            if count and (new_rows > self.max_batch_sequences or len(new_keys) > self.adapters.capacity
                           or logit_cells > PROMPT_LOGITS_BUDGET):
                 break
-            batch.append(request)
+            count += 1
             rows, keys, longest, scoring = new_rows, new_keys, new_longest, new_scoring
-            self._pending.remove(request)
-        return batch
+        return count
 
     # ---- adapters -------------------------------------------------------------------------------------------------
     def _acquire(self, ref: AdapterRef) -> tuple[str, int]:

@@ -89,6 +89,17 @@ class ModelFacts:
 
 
 @dataclass
+class StepRequest:
+    """One forward / forward_backward call, as the trainer receives it (possibly batched with others)."""
+
+    model_id: str
+    data: list[DatumArrays]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str]
+    forward_only: bool
+
+
+@dataclass
 class StepResult:
     """The outcome of one forward / forward_backward call."""
 
@@ -110,7 +121,7 @@ class _Adapter:
 class MultiLoRATrainer:
     """Holds one base model and the LoRA adapters of every training run on it."""
 
-    def __init__(self, location: str, threads: int | None = None) -> None:
+    def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if threads:
@@ -127,6 +138,7 @@ class MultiLoRATrainer:
         )
         self.peft = None
         self.adapters: dict[str, _Adapter] = {}
+        self.max_adapters = max_adapters
         self._counter = 0
 
     # ---- adapters -------------------------------------------------------------------------------------------------
@@ -140,6 +152,10 @@ class MultiLoRATrainer:
         spec.validate()
         if model_id in self.adapters:
             raise UserError(f"model {model_id} already exists")
+        runs = sum("#" not in key for key in self.adapters)  # '#' marks the trainer's own temporary adapters
+        if "#" not in model_id and runs >= self.max_adapters:
+            raise UserError(f"this base model's trainer already holds {runs} training runs (--max-adapters "
+                            f"{self.max_adapters}); unload one (or save its state and load it later) first")
         self._counter += 1
         name = f"adapter_{self._counter}"
         config = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none",
@@ -180,38 +196,88 @@ class MultiLoRATrainer:
     # ---- training -------------------------------------------------------------------------------------------------
     def forward_backward(self, model_id: str, data: list[DatumArrays], loss_fn: str,
                          loss_fn_config: dict[str, float | str], forward_only: bool) -> StepResult:
-        """Run the loss on every datum; unless ``forward_only``, add its gradient to the adapter's accumulated one."""
+        """One request on its own (see ``forward_backward_batch``)."""
+        outcome = self.forward_backward_batch([StepRequest(model_id, data, loss_fn, loss_fn_config, forward_only)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def forward_backward_batch(self, requests: list[StepRequest]) -> list[StepResult | UserError]:
+        """Run several requests — of any adapters, ranks and losses on this base model — as one mixed-adapter batch:
+        each row goes through its own adapter (PEFT's per-row adapter routing), each request's loss is computed on
+        its own rows, and one backward adds each adapter's gradient to that adapter only, exactly as running it
+        alone would. A request that is invalid, or whose loss is not finite, gets its own error and adds nothing;
+        the others still run. ``forward_only`` requests share the forward and add no gradient."""
         started = time.perf_counter()
-        adapter = self._get(model_id)
-        config = resolve_config(loss_fn, loss_fn_config)
-        for i, d in enumerate(data):
-            check_datum(loss_fn, i, d.tokens, d.loss_fn_inputs, vocab_size=self.facts.vocab_size,
-                        max_context=self.facts.max_context)
-        self._activate(adapter)
-        self.peft.train()
-        with torch.set_grad_enabled(not forward_only):
-            hidden = self._hidden_states(data)
-            lm_head = self._model().get_output_embeddings()
-            total = torch.zeros((), device=self.device)
-            outputs = []
-            for i, d in enumerate(data):
-                n = d.tokens.size
-                targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
-                # One datum's logits at a time: the full-vocabulary logits of the whole batch never exist at once.
-                logprobs = torch.log_softmax(lm_head(hidden[i, :n]).float(), dim=-1)
-                flat = targets.reshape(n, -1)
-                target_logprobs = logprobs.gather(1, flat).reshape(targets.shape)
-                inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
-                total = total + datum_loss(loss_fn, target_logprobs, inputs, config)
-                outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
-            loss = float(total.detach())
-            if not math.isfinite(loss):  # checked before backward: a bad batch must not touch accumulated gradients
-                raise UserError(f"the loss is not finite ({loss}); check the loss inputs")
-            if not forward_only:
-                total.backward()
-        num_tokens = int(sum(d.tokens.size for d in data))
-        return StepResult(outputs=outputs, metrics={"loss:sum": loss}, num_tokens=num_tokens,
-                          seconds=time.perf_counter() - started)
+        outcomes: list[StepResult | UserError | None] = [None] * len(requests)
+        ready: list[tuple[int, StepRequest, _Adapter, dict]] = []
+        for index, request in enumerate(requests):
+            try:
+                adapter = self._get(request.model_id)
+                config = resolve_config(request.loss_fn, request.loss_fn_config)
+                for i, d in enumerate(request.data):
+                    check_datum(request.loss_fn, i, d.tokens, d.loss_fn_inputs, vocab_size=self.facts.vocab_size,
+                                max_context=self.facts.max_context)
+            except UserError as exc:
+                outcomes[index] = exc
+                continue
+            ready.append((index, request, adapter, config))
+        if ready:
+            self._run_mixed(ready, outcomes, started)
+        return outcomes  # type: ignore[return-value]
+
+    def _run_mixed(self, ready: list[tuple[int, StepRequest, _Adapter, dict]],
+                   outcomes: list[StepResult | UserError | None], started: float) -> None:
+        data = [d for _, request, _, _ in ready for d in request.data]
+        names = [adapter.name for _, request, adapter, _ in ready for _ in request.data]
+        for _, _, adapter, _ in ready:
+            for p in adapter.params:  # set_adapter (used by score) may have switched them off
+                p.requires_grad_(True)
+        # PEFT routes rows to adapters only in eval mode; nothing here has dropout (lora_dropout=0), so the numbers
+        # are those of train mode. The decoder and the LM head are called separately so that full-vocabulary
+        # logits exist for one datum at a time, never for the whole batch.
+        self.peft.eval()
+        routed = self.peft.base_model._enable_peft_forward_hooks  # per-row adapters (PEFT 0.21, pinned)
+        lm_head = self._model().get_output_embeddings()
+        with torch.set_grad_enabled(not all(request.forward_only for _, request, _, _ in ready)):
+            with routed(adapter_names=names):
+                hidden = self._hidden_states(data)
+            row, trained, learning = 0, [], set()
+            for index, request, adapter, config in ready:
+                total = torch.zeros((), device=self.device)
+                outputs = []
+                for d in request.data:
+                    n = d.tokens.size
+                    with routed(adapter_names=[adapter.name]):
+                        logits = lm_head(hidden[row:row + 1, :n])[0]
+                    row += 1
+                    logprobs = torch.log_softmax(logits.float(), dim=-1)
+                    targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
+                    target_logprobs = logprobs.gather(1, targets.reshape(n, -1)).reshape(targets.shape)
+                    inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
+                    total = total + datum_loss(request.loss_fn, target_logprobs, inputs, config)
+                    outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
+                loss = float(total.detach())
+                if not math.isfinite(loss):  # before backward: a bad request must not touch accumulated gradients
+                    outcomes[index] = UserError(f"the loss is not finite ({loss}); check the loss inputs")
+                    continue
+                if not request.forward_only:
+                    trained.append(total)
+                    learning.add(request.model_id)
+                outcomes[index] = StepResult(outputs=outputs, metrics={"loss:sum": loss},
+                                             num_tokens=int(sum(d.tokens.size for d in request.data)), seconds=0.0)
+            if trained:
+                # Rows share tensors inside PEFT's routing, so autograd also reaches the adapters that are only being
+                # read here, with exact zeros; their gradient state must stay as it was (None stays None).
+                reading = [p for _, request, adapter, _ in ready if request.model_id not in learning
+                           for p in adapter.params if p.grad is None]
+                torch.stack(trained).sum().backward()
+                for p in reading:
+                    p.grad = None
+        seconds = time.perf_counter() - started
+        for index, _, _, _ in ready:
+            if isinstance(outcomes[index], StepResult):
+                outcomes[index].seconds = seconds
 
     def _hidden_states(self, data: list[DatumArrays]) -> torch.Tensor:
         """Final hidden states of a right-padded batch; padded positions are masked out and never read."""

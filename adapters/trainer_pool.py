@@ -10,7 +10,9 @@ import ray
 
 from adapters.actors import call_actor
 from adapters.base_models import BaseModelSpec
-from adapters.trainer import ModelFacts, MultiLoRATrainer
+from adapters.batching import Coalescer
+from adapters.trainer import ModelFacts, MultiLoRATrainer, StepRequest, StepResult
+from shims.errors import UserError
 
 log = logging.getLogger("compat_server.trainer")
 
@@ -23,16 +25,33 @@ class TrainerPlacement:
     num_gpus: float = 0.0
     threads: int | None = None
     resources: dict[str, float] | None = None
+    max_batch_tokens: int = 131072
+    """Most input tokens one mixed forward_backward batch may hold (several requests join while it stays under)."""
+    max_adapters: int = 64
+    """Most training runs (LoRA adapters) one base model's trainer holds at once."""
+
+
+def _tokens(request: StepRequest) -> int:
+    return sum(d.tokens.size for d in request.data)
 
 
 class TrainerPool:
-    """Starts and addresses the trainer actors. The scheduler is its only caller."""
+    """Starts and addresses the trainer actors. The scheduler is its only caller.
+
+    forward / forward_backward requests of different training runs on one base model that wait while that model's
+    trainer is busy go to it together, as one mixed-adapter batch (``MultiLoRATrainer.forward_backward_batch``).
+    Each run's own requests still arrive one at a time in seq_id order (the scheduler sees to that), so its
+    optim_step and load/save stay barriers for that run alone.
+    """
 
     def __init__(self, models: list[BaseModelSpec], placement: TrainerPlacement) -> None:
         self.models = {m.name: m for m in models}
         self.placement = placement
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.facts: dict[str, ModelFacts] = {}
+        self.batches: dict[str, Coalescer[StepRequest, StepResult]] = {}
+        self.batch_counts: dict[str, dict[str, int]] = {}
+        """Per base model: batches run, requests in them, and the most requests one batch held (for the metrics)."""
 
     async def start(self) -> None:
         """Create every actor and wait until each has loaded its base model."""
@@ -41,12 +60,41 @@ class TrainerPool:
             self.actors[name] = remote_cls.options(
                 num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
                 resources=self.placement.resources or None, name=None,
-            ).remote(spec.location, self.placement.threads)
+            ).remote(spec.location, self.placement.threads, self.placement.max_adapters)
+            self.batches[name] = Coalescer(self._runner(name), self._admit)
+            self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0}
         facts = await asyncio.gather(*(self.actors[n].model_facts.remote() for n in self.models))
         self.facts = dict(zip(self.models, facts))
         for name, fact in self.facts.items():
             log.info("trainer ready: %s (%s, vocab %d, context %d, %s)", name, fact.arch, fact.vocab_size,
                      fact.max_context, fact.device)
+
+    def _runner(self, base_model: str):
+        async def run(requests: list[StepRequest]) -> list:
+            counts = self.batch_counts[base_model]
+            counts["batches"] += 1
+            counts["requests"] += len(requests)
+            counts["max_requests_per_batch"] = max(counts["max_requests_per_batch"], len(requests))
+            return await call_actor(self.actors[base_model], "forward_backward_batch", f"trainer for {base_model}",
+                                    requests)
+        return run
+
+    def _admit(self, pending: list[StepRequest]) -> int:
+        count, tokens = 0, 0
+        for request in pending:
+            tokens += _tokens(request)
+            if count and tokens > self.placement.max_batch_tokens:
+                break
+            count += 1
+        return count
+
+    async def forward_backward(self, base_model: str, request: StepRequest) -> StepResult:
+        """Run one forward / forward_backward, batched with whatever other runs' requests are waiting."""
+        tokens = _tokens(request)
+        if tokens > self.placement.max_batch_tokens:
+            raise UserError(f"this request holds {tokens} input tokens, more than one batch may (--max-batch-tokens "
+                            f"{self.placement.max_batch_tokens}); send fewer or shorter datums per call")
+        return await self.batches[base_model].submit(request)
 
     async def call(self, base_model: str, method: str, *args, **kwargs):
         """Run ``method`` on the base model's trainer; a ``UserError`` raised there is re-raised here as itself."""

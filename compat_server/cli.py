@@ -39,6 +39,12 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "trainer and sampler, half of one GPU on a single-GPU machine, else 0)")
     parser.add_argument("--trainer-threads", type=int, default=None,
                         help="torch threads in each trainer on CPU (default: torch's choice)")
+    parser.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                        help="most input tokens in one trainer batch; forward_backward calls of different training "
+                             "runs waiting together share a batch up to this size, and a single larger call is "
+                             "refused (default: %(default)s)")
+    parser.add_argument("--max-adapters", type=int, default=d.max_adapters,
+                        help="most training runs (LoRA adapters) held at once per base model (default: %(default)s)")
     parser.add_argument("--samplers", type=int, default=d.samplers,
                         help="sampler replicas per base model, each a Ray actor holding the model (default: %(default)s)")
     parser.add_argument("--sampler-backend", default=d.sampler_backend, choices=["auto", "transformers", "vllm"],
@@ -158,7 +164,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, base_models=args.base_models or [TINY_MODEL_NAME],
         data_dir=args.data_dir.expanduser().resolve(), ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
         ray_object_store_mb=args.ray_object_store_mb, trainer_cpus=args.trainer_cpus, trainer_gpus=args.trainer_gpus,
-        trainer_threads=args.trainer_threads, samplers=args.samplers, sampler_backend=args.sampler_backend,
+        trainer_threads=args.trainer_threads, max_batch_tokens=args.max_batch_tokens,
+        max_adapters=args.max_adapters, samplers=args.samplers, sampler_backend=args.sampler_backend,
         sampler_cpus=args.sampler_cpus, sampler_gpus=args.sampler_gpus, sampler_threads=args.sampler_threads,
         sampler_batch=args.sampler_batch, max_resident_adapters=args.max_resident_adapters,
         vllm_max_lora_rank=args.vllm_max_lora_rank, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,

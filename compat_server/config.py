@@ -27,6 +27,8 @@ class ServerConfig:
     trainer_cpus: float = 1.0
     trainer_gpus: float | None = None
     trainer_threads: int | None = None
+    max_batch_tokens: int = 131072
+    max_adapters: int = 64
     samplers: int = 1
     sampler_backend: str = "auto"
     sampler_cpus: float = 1.0
@@ -60,6 +62,8 @@ class ServerConfig:
         """Refuse option values the server could not run with, naming the option."""
         problems = [message for ok, message in [
             (self.samplers >= 1, "--samplers must be at least 1"),
+            (self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1"),
+            (self.max_adapters >= 1, "--max-adapters must be at least 1"),
             (self.sampler_batch >= 1, "--sampler-batch must be at least 1"),
             (self.max_resident_adapters >= 1, "--max-resident-adapters must be at least 1"),
             (self.max_num_samples >= 1, "--max-num-samples must be at least 1"),

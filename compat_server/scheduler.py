@@ -13,6 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from adapters.trainer import StepRequest, StepResult
 from adapters.trainer_pool import TrainerPool
 from compat_server.futures import FutureHub, Payload
 from shims.errors import UserError
@@ -114,6 +115,10 @@ class Scheduler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def forward_backward(self, base_model: str, request: StepRequest) -> StepResult:
+        """A forward / forward_backward, batched with other runs' waiting requests on the same base model."""
+        return await self.trainers.forward_backward(base_model, request)
 
     async def trainer(self, base_model: str, method: str, *args, **kwargs):
         """Call the base model's trainer actor."""

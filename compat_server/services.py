@@ -89,7 +89,8 @@ async def start_services(config: ServerConfig) -> Services:
     _start_ray(config)
     trainer_gpus, sampler_gpus = _gpu_shares(config, len(base_models))
     trainers = TrainerPool(list(base_models.values()), TrainerPlacement(
-        num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads))
+        num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads,
+        max_batch_tokens=config.max_batch_tokens, max_adapters=config.max_adapters))
     backend = choose_backend(config.sampler_backend, sampler_gpus > 0)
     samplers = SamplerPool(list(base_models.values()), SamplerPlacement(
         count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from tinker import types
 
 from adapters.base_models import BaseModelSpec
-from adapters.trainer import AdamHyper, LoraSpec, StepResult, read_lora_spec
+from adapters.trainer import AdamHyper, LoraSpec, StepRequest, read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.futures import JSON, PROTOBUF, Payload
 from compat_server.records import Records
@@ -78,6 +78,11 @@ class TrainingService:
                                            idempotency_key=idem)
         return self._future(request_id, model_id)
 
+    def metrics(self) -> dict:
+        """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches."""
+        return {name: {**counts, "mean_requests_per_batch": counts["requests"] / counts["batches"] if counts["batches"]
+                       else None} for name, counts in self.scheduler.trainers.batch_counts.items()}
+
     # ---- create / info / unload -----------------------------------------------------------------------------------
     def create_model(self, owner: str, req: types.CreateModelRequest, idem: str | None) -> dict:
         model_id = model_id_for(req.session_id, req.model_seq_id)
@@ -138,9 +143,8 @@ class TrainingService:
 
         async def job(row: dict) -> Payload:
             data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
-            result: StepResult = await self.scheduler.trainer(
-                row["base_model"], "forward_backward", batch.model_id, data, batch.loss_fn,
-                batch.loss_fn_config, batch.forward_only)
+            result = await self.scheduler.forward_backward(row["base_model"], StepRequest(
+                batch.model_id, data, batch.loss_fn, batch.loss_fn_config, batch.forward_only))
             log.info("%s done: %s seq %d, %s %s, %d tokens, %.0f tokens/s", kind, batch.model_id, batch.seq_id,
                      batch.loss_fn, " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()), result.num_tokens,
                      result.num_tokens / max(result.seconds, 1e-9))

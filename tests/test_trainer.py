@@ -53,3 +53,70 @@ def test_zero_eps_and_non_finite_gradients_never_reach_the_weights(trainer):
         trainer.forward_backward("e", [huge], "cross_entropy", {}, False)
     np.testing.assert_array_equal(logprobs(trainer, "e"), start)
     assert trainer.optim_step("e", AdamHyper())["step"] == 1.0
+
+
+def _datum(rng, n: int, rl: bool = False) -> DatumArrays:
+    tokens = rng.integers(0, 500, size=n + 1)
+    inputs = {"target_tokens": tokens[1:]}
+    if rl:
+        inputs |= {"logprobs": (-rng.exponential(size=n) - 5).astype(np.float32),
+                   "advantages": rng.normal(size=n).astype(np.float32)}
+    else:
+        inputs["weights"] = rng.uniform(0, 1, size=n).astype(np.float32)
+    return DatumArrays(tokens=tokens[:-1], loss_fn_inputs=inputs)
+
+
+def test_a_mixed_adapter_batch_equals_each_adapter_alone(tiny_model_dir):
+    """Runs of different ranks, layers and losses in one batch: each gets the loss, logprobs and gradient it gets
+    alone (fp tolerance), a forward-only request adds no gradient, and a bad request fails alone."""
+    from adapters.trainer import StepRequest
+
+    trainer = MultiLoRATrainer(str(tiny_model_dir))
+    specs = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=8, seed=2, train_mlp=False),
+             "c": LoraSpec(rank=2, seed=3, train_attn=False, train_unembed=False), "d": LoraSpec(rank=4, seed=4)}
+    rng = np.random.default_rng(0)
+    for model_id, spec in specs.items():  # one step each, so LoRA A and B both carry gradient afterwards
+        trainer.create(model_id, spec)
+        trainer.forward_backward(model_id, [_datum(rng, 6)], "cross_entropy", {}, False)
+        trainer.optim_step(model_id, AdamHyper(learning_rate=1e-2))
+    requests = [StepRequest("a", [_datum(rng, 9), _datum(rng, 4)], "cross_entropy", {}, False),
+                StepRequest("b", [_datum(rng, 7, rl=True)], "ppo", {}, False),
+                StepRequest("c", [_datum(rng, 12, rl=True)], "importance_sampling", {}, False),
+                StepRequest("d", [_datum(rng, 5)], "cross_entropy", {}, True)]
+
+    def grads(model_id):
+        return [None if p.grad is None else p.grad.clone() for p in trainer.adapters[model_id].params]
+
+    alone, alone_grads = [], {}
+    for request in requests:
+        alone.append(trainer.forward_backward(request.model_id, request.data, request.loss_fn, {},
+                                              request.forward_only))
+        alone_grads[request.model_id] = grads(request.model_id)
+        trainer.adapters[request.model_id].optimizer.zero_grad(set_to_none=True)
+
+    bad = StepRequest("a", [DatumArrays(tokens=np.array([1, 2]), loss_fn_inputs={"target_tokens": np.array([2])})],
+                      "cross_entropy", {}, False)
+    together = trainer.forward_backward_batch([*requests, bad, StepRequest("nobody", [DATUM], "cross_entropy", {},
+                                                                             False)])
+    assert isinstance(together[-2], UserError) and "weights" in str(together[-2])
+    assert isinstance(together[-1], UserError) and "not loaded" in str(together[-1])
+    for request, solo, mixed in zip(requests, alone, together, strict=False):
+        assert mixed.metrics["loss:sum"] == pytest.approx(solo.metrics["loss:sum"], rel=1e-5)
+        for out_solo, out_mixed in zip(solo.outputs, mixed.outputs, strict=True):
+            np.testing.assert_allclose(out_mixed["logprobs"], out_solo["logprobs"], atol=1e-5)
+        for g_solo, g_mixed in zip(alone_grads[request.model_id], grads(request.model_id), strict=True):
+            if request.forward_only:
+                assert g_mixed is None and g_solo is None
+            else:
+                assert g_mixed is not None and g_solo is not None
+                np.testing.assert_allclose(g_mixed.numpy(), g_solo.numpy(), atol=1e-5, rtol=1e-4)
+
+
+def test_the_adapter_limit_is_a_clear_user_error(tiny_model_dir):
+    trainer = MultiLoRATrainer(str(tiny_model_dir), max_adapters=2)
+    trainer.create("one", LoraSpec(rank=2, seed=0))
+    trainer.create("two", LoraSpec(rank=2, seed=0))
+    with pytest.raises(UserError, match="already holds 2 training runs"):
+        trainer.create("three", LoraSpec(rank=2, seed=0))
+    trainer.unload("one")
+    trainer.create("three", LoraSpec(rank=2, seed=0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -186,3 +187,29 @@ def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, 
     fresh = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
     assert train(client, datum, 2) == pytest.approx(train(fresh, datum, 2), abs=1e-6)
     assert server.alive()
+
+
+def test_concurrent_runs_share_trainer_batches_and_get_their_own_results(service_client, server):
+    """Several training clients submitting at once are batched together on the trainer (the metrics say so), and
+    each gets exactly the loss and logprobs it gets on its own."""
+    rng = np.random.default_rng(21)
+    clients = [service_client.create_lora_training_client(base_model=BASE_MODEL, rank=r, seed=s).result()
+               for r, s in ((2, 1), (4, 2), (8, 3), (4, 4), (2, 5), (8, 6))]
+    data = [make_datum(rng.integers(0, 500, size=6).tolist(), rng.integers(0, 500, size=3).tolist())
+            for _ in clients]
+    for client, datum in zip(clients, data, strict=True):  # a first step, so every adapter differs from the base
+        client.forward_backward([datum], "cross_entropy").result()
+        client.optim_step(ADAM).result()
+    before = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    for _ in range(3):
+        futures = [c.forward_backward([d] * 4, "cross_entropy") for c, d in zip(clients, data, strict=True)]
+        together = [f.result() for f in futures]
+    after = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    stats, earlier = after["training"][BASE_MODEL], before["training"][BASE_MODEL]
+    requests, batches = stats["requests"] - earlier["requests"], stats["batches"] - earlier["batches"]
+    assert requests >= 3 * len(clients) and batches < requests, (requests, batches)  # requests shared batches
+    for client, datum, result in zip(clients, data, together, strict=True):
+        alone = client.forward([datum] * 4, "cross_entropy").result()
+        assert result.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-5)
+        np.testing.assert_allclose(result.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                                   alone.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-5)

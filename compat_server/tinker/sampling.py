@@ -38,9 +38,10 @@ async def asample(request: Request, owner: NamedDependency[str], services: Named
 
 @get(f"{API}/metrics")
 async def metrics(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
-    """Per base model: sampling counters, sampled tokens/s, the sampler replicas' load and resident adapters, and
-    the measured gap between sampler and trainer logprobs for the same tokens (rollout-vs-train drift)."""
-    return {"sampling": await services.sampling.metrics()}
+    """Per base model: sampling counters, sampled tokens/s, the sampler replicas' load and resident adapters, the
+    measured gap between sampler and trainer logprobs for the same tokens (rollout-vs-train drift), and how many
+    training requests shared each trainer batch."""
+    return {"sampling": await services.sampling.metrics(), "training": services.training.metrics()}
 
 
 SAMPLING_ROUTES = [create_sampling_session, get_sampler, asample, metrics]

@@ -1,0 +1,64 @@
+"""Continuous batching for one worker: requests that arrive while a batch runs wait, and all of them (as many as
+the policy admits) go together in the next batch. Used by the trainer pool (cross-client forward_backward batches)
+and by the transformers sampler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+RunBatch = Callable[[list[Item]], Awaitable[Sequence[Result | BaseException]]]
+"""Runs a batch; one outcome per item, in order: its result, or the exception that item alone should raise."""
+TakeCount = Callable[[list[Item]], int]
+"""How many of the waiting items, from the oldest, go into the next batch (at least one is always taken)."""
+
+
+class Coalescer(Generic[Item, Result]):
+    def __init__(self, run: RunBatch, take: TakeCount) -> None:
+        self._run = run
+        self._take = take
+        self._pending: list[tuple[Item, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+
+    async def submit(self, item: Item) -> Result:
+        """Queue ``item`` and return its outcome once the batch it joined has run."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((item, future))
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._drain())
+        return await future
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    async def _drain(self) -> None:
+        while self._pending:
+            count = max(1, min(self._take([item for item, _ in self._pending]), len(self._pending)))
+            batch, self._pending = self._pending[:count], self._pending[count:]
+            try:
+                outcomes = await self._run([item for item, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about the failure
+                outcomes = [exc] * len(batch)
+            for (_, future), outcome in zip(batch, outcomes, strict=True):
+                if future.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+
+    async def close(self) -> None:
+        """Stop the worker (callers still waiting are cancelled)."""
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()

@@ -1,0 +1,45 @@
+"""adapters.batching.Coalescer and the trainer pool's batch admission, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from adapters.batching import Coalescer
+from adapters.trainer import StepRequest
+from adapters.trainer_pool import TrainerPlacement, TrainerPool
+from shims.errors import UserError
+from shims.training_wire import DatumArrays
+
+
+def test_requests_waiting_during_a_batch_run_together_in_the_next():
+    batches: list[list[int]] = []
+
+    async def run(items: list[int]) -> list:
+        batches.append(items)
+        await asyncio.sleep(0.05)
+        return [ValueError(f"bad {i}") if i == 3 else i * 10 for i in items]
+
+    async def main():
+        coalescer = Coalescer(run, lambda pending: 2)  # at most two per batch
+        tasks = [asyncio.create_task(coalescer.submit(i)) for i in range(5)]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert batches == [[0, 1], [2, 3], [4]]  # oldest first, two at a time, none lost
+    assert results[:3] == [0, 10, 20] and results[4] == 40
+    assert isinstance(results[3], ValueError)  # one item's failure is its own
+
+
+def _request(tokens: int) -> StepRequest:
+    return StepRequest("m", [DatumArrays(tokens=np.zeros(tokens, dtype=np.int64))], "cross_entropy", {}, False)
+
+
+def test_trainer_batches_admit_requests_up_to_the_token_budget():
+    pool = TrainerPool([], TrainerPlacement(max_batch_tokens=100))
+    assert pool._admit([_request(60), _request(30), _request(20)]) == 2
+    assert pool._admit([_request(100), _request(1)]) == 1
+    with pytest.raises(UserError, match="101 input tokens.*--max-batch-tokens 100"):
+        asyncio.run(pool.forward_backward("base", _request(101)))
