@@ -10,6 +10,13 @@ from ray.exceptions import RayActorError, RayTaskError
 from shims.errors import UserError
 
 
+def ray_node() -> str:
+    """The Ray node this process runs on ("" outside Ray), for placement reports."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
 class ActorUnavailable(RuntimeError):
     """An actor died, could not be reached, or failed with an unexpected error: a server-side failure."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from adapters.actors import call_actor, stream_actor
+from adapters.actors import call_actor, ray_node, stream_actor
 from adapters.base_models import BaseModelSpec
 from adapters.sampler import AdapterRef, SamplerFacts
 from shims.sampling_wire import SampleJob, SampleResult, TokenEvent
@@ -59,7 +59,7 @@ class SamplerActor:
         return self.impl.facts()
 
     def stats(self) -> dict:
-        return self.impl.stats()
+        return {**self.impl.stats(), "node": ray_node()}
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         return await self.impl.sample(adapter, job)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adapters.actors import ray_node
 from shims.errors import UserError
 from shims.losses import check_datum, datum_loss, resolve_config
 from shims.training_wire import DatumArrays
@@ -86,6 +87,8 @@ class ModelFacts:
     max_context: int
     arch: str
     device: str
+    node: str = ""
+    """The Ray node the trainer runs on."""
 
 
 @dataclass
@@ -134,7 +137,7 @@ class MultiLoRATrainer:
         self.base.requires_grad_(False)
         self.facts = ModelFacts(
             vocab_size=int(config.vocab_size), max_context=int(getattr(config, "max_position_embeddings", 2048)),
-            arch=str((config.architectures or [config.model_type])[0]), device=str(self.device),
+            arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
         )
         self.peft = None
         self.adapters: dict[str, _Adapter] = {}

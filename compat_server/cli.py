@@ -15,6 +15,16 @@ from compat_server.config import ServerConfig, default_data_dir
 log = logging.getLogger("compat_server")
 
 
+def _resource(text: str) -> tuple[str, float]:
+    name, sep, amount = text.partition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name, float(amount)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT, e.g. trainer_node=1; got {text!r}") from None
+
+
 def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = ServerConfig()
     parser.add_argument("--host", default=d.host,
@@ -28,6 +38,16 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--ray-address", default=None,
                         help="join an existing Ray cluster at this address (e.g. 10.0.0.5:6379); "
                              "default: start a private local Ray instance")
+    parser.add_argument("--trainer-resource", action="append", dest="trainer_resources", default=[],
+                        metavar="NAME=AMOUNT", type=_resource,
+                        help="a custom Ray resource each trainer needs (repeatable), to place trainers on the nodes "
+                             "started with it, e.g. --trainer-resource trainer_node=1")
+    parser.add_argument("--sampler-resource", action="append", dest="sampler_resources", default=[],
+                        metavar="NAME=AMOUNT", type=_resource,
+                        help="a custom Ray resource each sampler replica needs (repeatable)")
+    parser.add_argument("--storage-dir", type=Path, default=None,
+                        help="where checkpoint and sampler-weight files live (default: the data directory); on a "
+                             "multi-machine Ray cluster, a shared filesystem mounted at the same path on every node")
     parser.add_argument("--ray-num-cpus", type=int, default=None,
                         help="CPUs the local Ray instance may use (default: all of this machine's)")
     parser.add_argument("--ray-object-store-mb", type=int, default=d.ray_object_store_mb,
@@ -162,7 +182,10 @@ def manage_keys(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host, port=args.port, base_models=args.base_models or [TINY_MODEL_NAME],
-        data_dir=args.data_dir.expanduser().resolve(), ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
+        data_dir=args.data_dir.expanduser().resolve(),
+        storage_dir=args.storage_dir.expanduser().resolve() if args.storage_dir else None,
+        trainer_resources=dict(args.trainer_resources), sampler_resources=dict(args.sampler_resources),
+        ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
         ray_object_store_mb=args.ray_object_store_mb, trainer_cpus=args.trainer_cpus, trainer_gpus=args.trainer_gpus,
         trainer_threads=args.trainer_threads, max_batch_tokens=args.max_batch_tokens,
         max_adapters=args.max_adapters, samplers=args.samplers, sampler_backend=args.sampler_backend,

@@ -21,12 +21,18 @@ class ServerConfig:
     port: int = 8000
     base_models: list[str] = field(default_factory=lambda: [TINY_MODEL_NAME])
     data_dir: Path = field(default_factory=default_data_dir)
+    storage_dir: Path | None = None
+    """Where checkpoint and sampler-weight files live (default: the data directory). Trainers write there and
+    samplers read there, so on a multi-machine Ray cluster it must be one shared filesystem mounted at the same
+    path on every node."""
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     ray_object_store_mb: int = 256
     trainer_cpus: float = 1.0
     trainer_gpus: float | None = None
     trainer_threads: int | None = None
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    sampler_resources: dict[str, float] = field(default_factory=dict)
     max_batch_tokens: int = 131072
     max_adapters: int = 64
     samplers: int = 1
@@ -113,9 +119,9 @@ class ServerConfig:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.data_dir / "checkpoints"
+        return (self.storage_dir or self.data_dir) / "checkpoints"
 
     @property
     def ephemeral_dir(self) -> Path:
         """Unnamed sampler saves (save_weights_and_get_sampling_client); emptied at every start."""
-        return self.data_dir / "ephemeral"
+        return (self.storage_dir or self.data_dir) / "ephemeral"

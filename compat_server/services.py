@@ -67,15 +67,34 @@ def _start_ray(config: ServerConfig) -> None:
                 signal.signal(sig, handler)
 
 
+def _custom_resources(config: ServerConfig) -> dict[str, float]:
+    """The custom Ray resources every trainer and sampler replica together ask for."""
+    needed: dict[str, float] = {}
+    models = len(config.base_models)
+    for resources, count in ((config.trainer_resources, models), (config.sampler_resources, models * config.samplers)):
+        for name, amount in resources.items():
+            needed[name] = needed.get(name, 0.0) + amount * count
+    return needed
+
+
 def _init_ray(config: ServerConfig) -> None:
+    needed = _custom_resources(config)
     if config.ray_address:
         ray.init(address=config.ray_address, log_to_driver=True, configure_logging=False)
+        available = ray.cluster_resources()
+        short = {name: amount for name, amount in needed.items() if available.get(name, 0.0) < amount}
+        if short:  # the actors would wait for these forever; say so at once instead
+            raise RuntimeError(f"the Ray cluster at {config.ray_address} lacks the custom resources the trainers and "
+                               f"samplers ask for: needs {short}, has "
+                               f"{ {n: available.get(n, 0.0) for n in short} }; start its nodes with "
+                               "`ray start --resources '{\"NAME\": AMOUNT}'`")
     else:
         # Ray CPUs are logical: ask for at least what the configured actors reserve, or they could never be placed.
         per_model = config.trainer_cpus + config.samplers * config.sampler_cpus
-        needed = math.ceil(per_model * len(config.base_models))
-        ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, needed),
-                 object_store_memory=config.ray_object_store_mb * 1024 * 1024, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        cpus = math.ceil(per_model * len(config.base_models))
+        ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, cpus), resources=needed or None,
+                 object_store_memory=config.ray_object_store_mb * 1024 * 1024, include_dashboard=False,
+                 log_to_driver=True, configure_logging=False)
 
 
 async def start_services(config: ServerConfig) -> Services:
@@ -90,10 +109,12 @@ async def start_services(config: ServerConfig) -> Services:
     trainer_gpus, sampler_gpus = _gpu_shares(config, len(base_models))
     trainers = TrainerPool(list(base_models.values()), TrainerPlacement(
         num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads,
+        resources=config.trainer_resources or None,
         max_batch_tokens=config.max_batch_tokens, max_adapters=config.max_adapters))
     backend = choose_backend(config.sampler_backend, sampler_gpus > 0)
     samplers = SamplerPool(list(base_models.values()), SamplerPlacement(
         count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,
+        resources=config.sampler_resources or None,
         threads=config.sampler_threads, max_batch_sequences=config.sampler_batch,
         max_resident=config.max_resident_adapters, vllm_max_lora_rank=config.vllm_max_lora_rank,
         vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization or round(0.85 * min(sampler_gpus, 1.0), 2)))

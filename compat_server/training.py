@@ -80,8 +80,10 @@ class TrainingService:
 
     def metrics(self) -> dict:
         """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches."""
+        trainers = self.scheduler.trainers
         return {name: {**counts, "mean_requests_per_batch": counts["requests"] / counts["batches"] if counts["batches"]
-                       else None} for name, counts in self.scheduler.trainers.batch_counts.items()}
+                       else None, "node": trainers.facts[name].node}
+                for name, counts in trainers.batch_counts.items()}
 
     # ---- create / info / unload -----------------------------------------------------------------------------------
     def create_model(self, owner: str, req: types.CreateModelRequest, idem: str | None) -> dict:
