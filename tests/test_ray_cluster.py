@@ -32,6 +32,7 @@ print(json.dumps({{n["NodeID"]: sorted(k for k in n["Resources"] if k.endswith("
 @pytest.fixture(scope="module")
 def cluster():
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    log = open(Path(ray_tmp, "nodes.log"), "wb")  # noqa: SIM115 - the node processes write to it while they live
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     address = f"127.0.0.1:{free_port()}"
 
@@ -40,15 +41,15 @@ def cluster():
                 "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}"]
 
     nodes = [subprocess.Popen([RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=1",
-                               "--resources", json.dumps({"trainer_node": 1}), "--include-dashboard=false",
-                               f"--ray-client-server-port={free_port()}", *common()],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+                               "--resources", json.dumps({"trainer_node": 1}), "--include-dashboard=false", *common()],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)]
     try:
-        _wait_for(lambda: _status(address, env).returncode == 0, "the Ray head")
+        _wait_for(lambda: _status(address, env).returncode == 0, "the Ray head", Path(ray_tmp, "nodes.log"))
         nodes.append(subprocess.Popen([RAY, "start", f"--address={address}", "--num-cpus=2", "--resources",
                                        json.dumps({"sampler_node": 1}), *common()],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        _wait_for(lambda: "sampler_node" in _status(address, env).stdout, "the second Ray node")
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        _wait_for(lambda: "sampler_node" in _status(address, env).stdout, "the second Ray node",
+                  Path(ray_tmp, "nodes.log"))
         yield address, env
     finally:
         for node in reversed(nodes):
@@ -58,6 +59,7 @@ def cluster():
                 node.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 node.kill()
+        log.close()
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -66,11 +68,11 @@ def _status(address: str, env: dict) -> subprocess.CompletedProcess:
                           timeout=60, check=False)
 
 
-def _wait_for(ready, what: str, timeout: float = 120) -> None:
+def _wait_for(ready, what: str, log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not come up in {timeout:.0f} s")
+            raise TimeoutError(f"{what} did not come up in {timeout:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
         time.sleep(1)
 
 
