@@ -60,6 +60,14 @@ class CheckpointStore:
         self.root = root
         self.min_ttl_seconds = min_ttl_seconds
         root.mkdir(parents=True, exist_ok=True)
+        self.abandoned = self._discard_abandoned()
+
+    def _discard_abandoned(self) -> int:
+        """Staging directories left by a process that died mid-save: never published, never recorded, deleted."""
+        abandoned = [d for d in self.root.glob("*/*/.staging-*") if d.is_dir()]
+        for directory in abandoned:
+            shutil.rmtree(directory, ignore_errors=True)
+        return len(abandoned)
 
     def expiry(self, ttl_seconds: float | None) -> str | None:
         """When a checkpoint given ``ttl_seconds`` from now expires (None: never). Tinker's range is one hour

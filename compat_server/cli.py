@@ -104,6 +104,10 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--expiry-sweep-seconds", type=float, default=d.expiry_sweep_seconds,
                         help="how often expired checkpoints are deleted from disk; they vanish from listings and "
                              "lookups the moment they expire (default: %(default)s)")
+    parser.add_argument("--session-timeout", type=float, default=d.session_timeout,
+                        help="seconds without a heartbeat (the SDK sends one every 10 s) after which a session ends "
+                             "and its models are unloaded from the trainer; their checkpoints stay "
+                             "(default: %(default)s)")
     parser.add_argument("--download-url-ttl", type=float, default=d.download_url_ttl,
                         help="seconds a signed checkpoint download URL (external_weights_urls) stays valid "
                              "(default: %(default)s)")
@@ -195,7 +199,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k,
         drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
         stability_ttl=args.stability_ttl, min_checkpoint_ttl=args.min_checkpoint_ttl,
-        expiry_sweep_seconds=args.expiry_sweep_seconds, download_url_ttl=args.download_url_ttl,
+        expiry_sweep_seconds=args.expiry_sweep_seconds, session_timeout=args.session_timeout,
+        download_url_ttl=args.download_url_ttl,
         auth=args.auth, allow_open_auth=args.allow_open_auth, poll_hold_seconds=args.poll_hold_seconds,
         seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
         log_level=args.log_level,

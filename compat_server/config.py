@@ -51,6 +51,9 @@ class ServerConfig:
     stability_ttl: float = 86400.0
     min_checkpoint_ttl: float = 3600.0
     expiry_sweep_seconds: float = 60.0
+    session_timeout: float = 600.0
+    """A session whose client sent no heartbeat (the SDK sends one every 10 s) for this long ends, and its models
+    leave the trainer."""
     download_url_ttl: float = 3600.0
     auth: str | None = None
     """``keys`` (registered keys only) or ``open`` (any ``tml-`` key is its own tenant); unset: ``open`` on a
@@ -79,6 +82,7 @@ class ServerConfig:
             (self.stability_ttl > 0, "--stability-ttl must be > 0"),
             (self.min_checkpoint_ttl > 0, "--min-checkpoint-ttl must be > 0"),
             (self.expiry_sweep_seconds > 0, "--expiry-sweep-seconds must be > 0"),
+            (self.session_timeout > 0, "--session-timeout must be > 0"),
             (self.download_url_ttl > 0, "--download-url-ttl must be > 0"),
             (self.vllm_max_lora_rank >= 1, "--vllm-max-lora-rank must be at least 1"),
             (self.vllm_gpu_memory_utilization is None or 0 < self.vllm_gpu_memory_utilization <= 1,

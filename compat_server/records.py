@@ -91,6 +91,13 @@ class Records:
     def heartbeat(self, session_id: str) -> None:
         self.db["sessions"].update(session_id, {"last_heartbeat": now()})
 
+    def stale_sessions(self, heartbeat_before: str) -> list[dict]:
+        """Open sessions whose last heartbeat is older than ``heartbeat_before``."""
+        return list(self.db["sessions"].rows_where("finished IS NULL AND last_heartbeat < ?", [heartbeat_before]))
+
+    def active_models_of(self, session_id: str) -> list[dict]:
+        return list(self.db["models"].rows_where("session_id = ? AND status = 'active'", [session_id]))
+
     def finish_session(self, session_id: str, reason: str) -> None:
         self.db["sessions"].update(session_id, {"finished": now(), "finish_reason": reason})
 

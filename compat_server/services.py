@@ -122,6 +122,8 @@ async def start_services(config: ServerConfig) -> Services:
     hub = FutureHub(records)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
     checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
+    if checkpoints.abandoned:
+        log.warning("deleted %d half-written checkpoints left by the previous server process", checkpoints.abandoned)
     sampling = SamplingService(records, scheduler, samplers, checkpoints, config.ephemeral_dir, base_models,
                                SamplingOptions(max_num_samples=config.max_num_samples,
                                                max_logprobs_k=config.max_logprobs_k,
@@ -134,18 +136,21 @@ async def start_services(config: ServerConfig) -> Services:
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models),
                     runs=runs, base_models=base_models)
-    services.sweeper = asyncio.get_running_loop().create_task(_sweep_expired(runs, config.expiry_sweep_seconds))
+    services.sweeper = asyncio.get_running_loop().create_task(_sweep_expired(services))
     return services
 
 
-async def _sweep_expired(runs: RunsService, every: float) -> None:
-    """Delete expired checkpoints every ``every`` seconds (they already vanished from listings when they expired)."""
+async def _sweep_expired(services: Services) -> None:
+    """Every ``--expiry-sweep-seconds``: delete expired checkpoints (they vanished from listings when they expired)
+    and end sessions that stopped heartbeating ``--session-timeout`` seconds ago."""
+    config = services.config
     while True:
         try:
-            runs.sweep_expired()
+            services.runs.sweep_expired()
+            await services.training.expire_sessions(config.session_timeout)
         except Exception:  # a failed sweep is retried next time; it must not end the loop
-            log.exception("expired-checkpoint sweep failed")
-        await asyncio.sleep(every)
+            log.exception("expiry sweep failed")
+        await asyncio.sleep(config.expiry_sweep_seconds)
 
 
 def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 
 from tinker import types
 
@@ -77,6 +78,25 @@ class TrainingService:
         request_id = self.scheduler.submit(owner=owner, kind=kind, job=run, model_id=model_id, seq_id=seq_id,
                                            idempotency_key=idem)
         return self._future(request_id, model_id)
+
+    async def expire_sessions(self, timeout_seconds: float) -> int:
+        """End sessions that stopped heartbeating ``timeout_seconds`` ago: their models leave the trainer (their
+        saved checkpoints stay; load one to continue). Returns how many sessions ended."""
+        cutoff = (datetime.now(UTC) - timedelta(seconds=timeout_seconds)).isoformat()
+        stale = self.records.stale_sessions(cutoff)
+        for session in stale:
+            models = self.records.active_models_of(session["id"])
+            for row in models:
+                try:
+                    await self.scheduler.trainer(row["base_model"], "unload", row["id"])
+                except Exception as exc:  # noqa: BLE001 - the model is gone from the trainer either way
+                    log.warning("unloading %s of expired session %s: %s", row["id"], session["id"], exc)
+                self.records.set_model_status(row["id"], "unloaded (its session expired; load a checkpoint of it "
+                                                         "into a new training client to continue)")
+            self.records.finish_session(session["id"], "expired")
+            log.info("session expired: %s (no heartbeat since %s); models unloaded: %s", session["id"],
+                     session["last_heartbeat"], ", ".join(row["id"] for row in models) or "none")
+        return len(stale)
 
     def metrics(self) -> dict:
         """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches."""

@@ -44,8 +44,12 @@ async def create_session(owner: NamedDependency[str], services: NamedDependency[
 async def session_heartbeat(owner: NamedDependency[str], services: NamedDependency[Services],
                             data: Annotated[types.SessionHeartbeatRequest, Body()]) -> types.SessionHeartbeatResponse:
     """An unknown session answers 410 Gone, which stops the SDK's heartbeat loop instead of retrying forever."""
-    if services.records.session(data.session_id, owner) is None:
+    row = services.records.session(data.session_id, owner)
+    if row is None:
         raise ClientException(f"unknown session_id {data.session_id!r}", status_code=410)
+    if row["finish_reason"] == "expired":
+        raise ClientException(f"session {data.session_id} expired after missing heartbeats; start a new one",
+                              status_code=410)
     services.records.heartbeat(data.session_id)
     return types.SessionHeartbeatResponse(type="session_heartbeat")
 

@@ -1,0 +1,156 @@
+"""Crash recovery and session expiry, against real server processes.
+
+``kill -9`` the server in the middle of training, start a new one on the same data directory, and check what users
+rely on: everything written before the crash is listed, finished results are still there, requests that were running
+fail clearly as server errors, a checkpoint resumes exactly, and a half-written checkpoint never appears.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+import tinker
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from tests.helpers import ADAM, BASE_MODEL, forward_logprobs, make_datum, train
+from tests.server import start_server
+
+KEY = "tml-test-crash"
+HEADERS = {"X-API-Key": KEY}
+
+
+def kill_9(server) -> None:
+    """SIGKILL the server and every process it started (its private Ray instance), as a machine crash would."""
+    tree = psutil.Process(server.process.pid).children(recursive=True)
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_path):
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir)
+    try:
+        service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+        client = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
+        run_id = client.model_id
+        datum = make_datum([11, 42, 77, 103], [250, 3, 99])
+        train(client, datum, 3)
+        state = client.save_state("before-crash").result().path
+        sampler_path = client.save_weights_for_sampler("before-crash").result().path
+        # What the step after the checkpoint does, to check exact resumption against.
+        expected_loss = client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+        client.optim_step(ADAM).result()
+        expected_logprobs = forward_logprobs(client, datum)
+
+        def asample(max_tokens: int) -> str:
+            body = {"num_samples": 1, "base_model": BASE_MODEL, "sampling_params": {"max_tokens": max_tokens, "stop": []},
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}
+            return httpx.post(f"{server.base_url}/api/v1/asample", headers=HEADERS, json=body).json()["request_id"]
+
+        finished = asample(2)
+        assert httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers=HEADERS, timeout=60,
+                          json={"request_id": finished}).status_code == 200
+        in_flight = [asample(1500) for _ in range(4)]  # long enough to be running when the server dies
+        time.sleep(0.5)
+        half_written = data_dir / "checkpoints" / run_id / "weights" / ".staging-torn-0000"
+        half_written.mkdir(parents=True)
+        (half_written / "adapter_model.safetensors").write_bytes(b"torn")
+    finally:
+        kill_9(server)
+
+    server = start_server(data_dir)  # the same data directory, a new process
+    try:
+        assert "requests in flight (now failed)" in server.log() and not half_written.exists()
+        rest = tinker.RestClient(base_url=server.base_url, api_key=KEY)
+        assert run_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+        listed = {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
+        assert listed == {state, sampler_path}  # the torn one never appears
+        assert rest.list_sessions().result().sessions
+
+        def retrieve(request_id: str) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers=HEADERS, timeout=60,
+                              json={"request_id": request_id})
+
+        done = retrieve(finished)
+        assert done.status_code == 200 and done.headers["content-type"].startswith("application/x-protobuf")
+        for request_id in in_flight:
+            failed = retrieve(request_id).json()
+            assert failed["category"] == "server" and "restarted" in failed["error"]
+
+        service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+        resumed = service.create_training_client_from_state_with_optimizer(state).result()
+        loss = resumed.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+        resumed.optim_step(ADAM).result()
+        assert loss == pytest.approx(expected_loss, rel=1e-6)
+        np.testing.assert_allclose(forward_logprobs(resumed, datum), expected_logprobs, atol=1e-6)
+        sampler = service.create_sampling_client(model_path=sampler_path).result()
+        assert sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result()
+        service.close("success")
+    finally:
+        server.stop()
+
+
+def _result(url: str, request_id: str) -> dict | bytes:
+    """Poll a future to its end over raw HTTP, as the SDK does."""
+    while True:
+        answer = httpx.post(f"{url}/api/v1/retrieve_future", headers=HEADERS, timeout=60,
+                            json={"request_id": request_id})
+        if answer.headers["content-type"].startswith("application/x-protobuf"):
+            return answer.content
+        body = answer.json()
+        if body.get("type") != "try_again":
+            return body
+
+
+@pytest.mark.timeout(300)
+def test_sessions_that_stop_heartbeating_expire_and_their_models_unload(model_cache, tmp_path):
+    """A client that dies mid-training stops heartbeating: after --session-timeout its session ends and its model
+    leaves the trainer (requests on it fail clearly), but what it saved stays, and a new client resumes from it."""
+    server = start_server(tmp_path / "data", "--session-timeout", "3", "--expiry-sweep-seconds", "1")
+    try:
+        url = server.base_url
+        session = httpx.post(f"{url}/api/v1/create_session", headers=HEADERS, json={
+            "tags": [], "user_metadata": {}, "sdk_version": "raw-http", "type": "create_session"}).json()["session_id"]
+        created = httpx.post(f"{url}/api/v1/create_model", headers=HEADERS, json={
+            "session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 2},
+            "type": "create_model"}).json()
+        model_id = _result(url, created["request_id"])["model_id"]
+        saved = httpx.post(f"{url}/api/v1/save_weights", headers=HEADERS, json={
+            "model_id": model_id, "path": "kept", "seq_id": 1, "type": "save_weights"}).json()
+        state = _result(url, saved["request_id"])["path"]
+        assert httpx.post(f"{url}/api/v1/session_heartbeat", headers=HEADERS,
+                          json={"session_id": session}).status_code == 200
+        deadline = time.monotonic() + 60  # …and then no more heartbeats
+        while f"session expired: {session}" not in server.log():
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.5)
+        expired = next(line for line in server.log().splitlines() if f"session expired: {session}" in line)
+        assert f"models unloaded: {model_id}" in expired
+        request = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+            data=[make_datum([1, 2, 3], [4, 5])], loss_fn="cross_entropy"), model_id=model_id, seq_id=2)
+        future = httpx.post(f"{url}/api/v1/forward_backward", headers={**HEADERS,
+                                                                        "Content-Type": "application/x-protobuf"},
+                            content=forward_backward_request_to_proto(request).SerializeToString()).json()
+        failed = _result(url, future["request_id"])
+        assert failed["category"] == "user" and "session expired" in failed["error"]
+        assert httpx.post(f"{url}/api/v1/session_heartbeat", headers=HEADERS,
+                          json={"session_id": session}).status_code == 410  # tells the SDK's loop to stop
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)  # the checkpoint stayed: a new client resumes
+        resumed = service.create_training_client_from_state(state).result()
+        loss = resumed.forward_backward([make_datum([1, 2, 3], [4, 5])], "cross_entropy").result()
+        assert np.isfinite(loss.metrics["loss:sum"])
+        service.close("success")
+    finally:
+        server.stop()
