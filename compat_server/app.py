@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
+from compat_server.futures import TooManyRequests
 from compat_server.openai_routes import OPENAI_ROUTER
 from compat_server.services import Services, start_services
 from compat_server.tinker import ROUTES as TINKER_ROUTES
@@ -26,6 +27,12 @@ def _error(status: int, message: str, category: str = "user") -> Response:
 
 def _user_error(_: Request, exc: UserError) -> Response:
     return _error(400, str(exc))
+
+
+def _too_many(_: Request, exc: TooManyRequests) -> Response:
+    response = _error(429, str(exc))
+    response.headers["Retry-After"] = f"{exc.retry_after:g}"
+    return response
 
 
 def _not_found(_: Request, exc: NotFound) -> Response:
@@ -66,8 +73,8 @@ def create_app(config: ServerConfig) -> Litestar:
         on_shutdown=[shutdown],
         dependencies={"services": Provide(provide_services, sync_to_thread=False), "owner": Provide(provide_owner)},
         exception_handlers={
-            UserError: _user_error, NotFound: _not_found, ValidationException: _validation_error, HTTPException: _http_error,
-            Exception: _server_error,
+            UserError: _user_error, NotFound: _not_found, TooManyRequests: _too_many,
+            ValidationException: _validation_error, HTTPException: _http_error, Exception: _server_error,
         },
         request_max_body_size=config.max_body_mb * 1024 * 1024,
         debug=False,

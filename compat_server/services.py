@@ -119,7 +119,7 @@ async def start_services(config: ServerConfig) -> Services:
         max_resident=config.max_resident_adapters, vllm_max_lora_rank=config.vllm_max_lora_rank,
         vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization or round(0.85 * min(sampler_gpus, 1.0), 2)))
     await asyncio.gather(trainers.start(), samplers.start())
-    hub = FutureHub(records)
+    hub = FutureHub(records, config.max_pending_per_key)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
     checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
     if checkpoints.abandoned:

@@ -154,3 +154,35 @@ def test_sessions_that_stop_heartbeating_expire_and_their_models_unload(model_ca
         service.close("success")
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_key_over_its_request_limit_gets_429_and_the_sdk_retries(model_cache, tmp_path):
+    server = start_server(tmp_path / "data", "--max-pending-per-key", "2")
+    try:
+        url = server.base_url
+
+        def asample(key: str, max_tokens: int) -> httpx.Response:
+            return httpx.post(f"{url}/api/v1/asample", headers={"X-API-Key": key}, json={
+                "num_samples": 1, "base_model": BASE_MODEL,
+                "sampling_params": {"max_tokens": max_tokens, "stop": []},
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}})
+
+        running = [asample(KEY, 1500).json()["request_id"] for _ in range(2)]
+        refused = asample(KEY, 2)
+        assert refused.status_code == 429 and float(refused.headers["Retry-After"]) > 0
+        assert refused.json()["category"] == "user" and "--max-pending-per-key 2" in refused.json()["error"]
+        assert asample("tml-test-someone-else", 2).status_code == 200  # other keys are not held back
+        for request_id in running:
+            _result(url, request_id)
+        assert asample(KEY, 2).status_code == 200  # room again once they finished
+
+        # The SDK honours 429 + Retry-After: more concurrent requests than the limit all complete.
+        service = tinker.ServiceClient(base_url=url, api_key="tml-test-limited-sdk")
+        sampler = service.create_sampling_client(base_model=BASE_MODEL).result()
+        params = types.SamplingParams(max_tokens=64, stop=[], seed=1)
+        futures = [sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, params) for _ in range(6)]
+        assert all(len(f.result().sequences[0].tokens) == 64 for f in futures)
+        service.close("success")
+    finally:
+        server.stop()
