@@ -43,7 +43,24 @@ class RunningServer:
 
 
 def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = None,
-                 timeout: float = 180) -> RunningServer:
+                 timeout: float = 180, attempts: int = 3) -> RunningServer:
+    """Start a server on a free port. The port is free when chosen, but the server binds it only once it is ready,
+    seconds later, and Ray processes pick random ports meanwhile; losing that race retries with another port."""
+    for attempt in range(attempts):
+        try:
+            return _start_once(data_dir, extra_args, env, timeout)
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str] | None,
+                timeout: float) -> RunningServer:
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "server.log"
@@ -57,7 +74,8 @@ def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+            error = PortTaken if "address already in use" in server.log() else RuntimeError
+            raise error(f"server exited with {process.returncode}:\n{server.log()}")
         try:
             if httpx.get(f"{server.base_url}/api/v1/healthz", timeout=2).status_code == 200 \
                     and "compat-server ready at" in server.log():
