@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ class SamplerActor:
         return self.impl.facts()
 
     def stats(self) -> dict:
-        return {**self.impl.stats(), "node": ray_node()}
+        return {**self.impl.stats(), "node": ray_node(), "pid": os.getpid()}
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         return await self.impl.sample(adapter, job)
@@ -119,7 +120,10 @@ class SamplerPool:
         p = self.placement
         for name, spec in self.models.items():
             self.bases[name] = _BaseReplicas([
-                _Replica(remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None)
+                # A crashed replica is restarted by Ray (calls in flight fail, never re-run); it reloads adapters on
+                # demand, as after any eviction.
+                _Replica(remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
+                                            max_restarts=-1, max_task_retries=0)
                          .remote(spec.location, p))
                 for _ in range(p.count)])
         for name, base in self.bases.items():

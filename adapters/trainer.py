@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,6 +91,9 @@ class ModelFacts:
     device: str
     node: str = ""
     """The Ray node the trainer runs on."""
+    pid: int = 0
+    boot: str = ""
+    """Differs every time the trainer process starts: a changed value means it was restarted and holds no adapters."""
 
 
 @dataclass
@@ -138,6 +143,7 @@ class MultiLoRATrainer:
         self.facts = ModelFacts(
             vocab_size=int(config.vocab_size), max_context=int(getattr(config, "max_position_embeddings", 2048)),
             arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
+            pid=os.getpid(), boot=uuid.uuid4().hex,
         )
         self.peft = None
         self.adapters: dict[str, _Adapter] = {}

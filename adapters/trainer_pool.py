@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import ray
 
-from adapters.actors import call_actor
+from adapters.actors import ActorUnavailable, call_actor
 from adapters.base_models import BaseModelSpec
 from adapters.batching import Coalescer
 from adapters.trainer import ModelFacts, MultiLoRATrainer, StepRequest, StepResult
@@ -50,6 +51,9 @@ class TrainerPool:
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.facts: dict[str, ModelFacts] = {}
         self.batches: dict[str, Coalescer[StepRequest, StepResult]] = {}
+        self.on_restart: Callable[[str], Awaitable[None]] | None = None
+        """Called with the base model's name once its trainer came back from a crash, empty."""
+        self._checks: dict[str, asyncio.Task] = {}
         self.batch_counts: dict[str, dict[str, int]] = {}
         """Per base model: batches run, requests in them, and the most requests one batch held (for the metrics)."""
 
@@ -57,9 +61,11 @@ class TrainerPool:
         """Create every actor and wait until each has loaded its base model."""
         remote_cls = ray.remote(MultiLoRATrainer)
         for name, spec in self.models.items():
+            # A trainer that dies is restarted by Ray (its in-flight calls fail, never re-run); ``on_restart`` then
+            # puts the adapters back.
             self.actors[name] = remote_cls.options(
                 num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
-                resources=self.placement.resources or None, name=None,
+                resources=self.placement.resources or None, name=None, max_restarts=-1, max_task_retries=0,
             ).remote(spec.location, self.placement.threads, self.placement.max_adapters)
             self.batches[name] = Coalescer(self._runner(name), self._admit)
             self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0}
@@ -75,8 +81,7 @@ class TrainerPool:
             counts["batches"] += 1
             counts["requests"] += len(requests)
             counts["max_requests_per_batch"] = max(counts["max_requests_per_batch"], len(requests))
-            return await call_actor(self.actors[base_model], "forward_backward_batch", f"trainer for {base_model}",
-                                    requests)
+            return await self.call(base_model, "forward_backward_batch", requests)
         return run
 
     def _admit(self, pending: list[StepRequest]) -> int:
@@ -97,8 +102,41 @@ class TrainerPool:
         return await self.batches[base_model].submit(request)
 
     async def call(self, base_model: str, method: str, *args, **kwargs):
-        """Run ``method`` on the base model's trainer; a ``UserError`` raised there is re-raised here as itself."""
-        return await call_actor(self.actors[base_model], method, f"trainer for {base_model}", *args, **kwargs)
+        """Run ``method`` on the base model's trainer; a ``UserError`` raised there is re-raised here as itself. If
+        the trainer died, the call fails as a server error and a restart check starts at once."""
+        try:
+            return await call_actor(self.actors[base_model], method, f"trainer for {base_model}", *args, **kwargs)
+        except ActorUnavailable:
+            self._check_soon(base_model)
+            raise
+
+    def _check_soon(self, base_model: str) -> None:
+        task = self._checks.get(base_model)
+        if task is None or task.done():
+            self._checks[base_model] = asyncio.get_running_loop().create_task(self._check(base_model))
+
+    async def _check(self, base_model: str) -> None:
+        """Ask the trainer who it is (waiting while Ray restarts it); a new process is reported to ``on_restart``."""
+        while True:
+            try:
+                facts = await call_actor(self.actors[base_model], "model_facts", f"trainer for {base_model}")
+                break
+            except ActorUnavailable:
+                await asyncio.sleep(1.0)
+        if facts.boot == self.facts[base_model].boot:
+            return
+        self.facts[base_model] = facts
+        log.warning("trainer for %s restarted (pid %d); reloading its training runs", base_model, facts.pid)
+        if self.on_restart is not None:
+            await self.on_restart(base_model)
+
+    async def watch(self, every: float) -> None:
+        """Check every ``every`` seconds that each trainer is still the process it was (Ray restarts a crashed one
+        silently; calls queued meanwhile would otherwise meet an empty trainer)."""
+        while True:
+            await asyncio.sleep(every)
+            for name in self.actors:
+                self._check_soon(name)
 
     def stop(self) -> None:
         for actor in self.actors.values():

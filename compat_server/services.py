@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -44,11 +44,11 @@ class Services:
     completions: CompletionsService
     runs: RunsService
     base_models: dict[str, BaseModelSpec]
-    sweeper: asyncio.Task | None = None
+    background: list[asyncio.Task] = field(default_factory=list)
 
     def stop(self) -> None:
-        if self.sweeper is not None:
-            self.sweeper.cancel()
+        for task in self.background:
+            task.cancel()
         self.samplers.stop()
         self.trainers.stop()
 
@@ -131,12 +131,14 @@ async def start_services(config: ServerConfig) -> Services:
                                                ephemeral_keep=config.ephemeral_keep,
                                                stability_ttl_seconds=config.stability_ttl))
     training = TrainingService(records, scheduler, checkpoints, base_models, sampling)
+    trainers.on_restart = training.reload_after_restart
     runs = RunsService(records, checkpoints, UrlSigner(config.url_key_path, config.download_url_ttl))
     services = Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models),
                     runs=runs, base_models=base_models)
-    services.sweeper = asyncio.get_running_loop().create_task(_sweep_expired(services))
+    loop = asyncio.get_running_loop()
+    services.background = [loop.create_task(_sweep_expired(services)), loop.create_task(trainers.watch(2.0))]
     return services
 
 

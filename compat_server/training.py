@@ -98,11 +98,32 @@ class TrainingService:
                      session["last_heartbeat"], ", ".join(row["id"] for row in models) or "none")
         return len(stale)
 
+    async def reload_after_restart(self, base_model: str) -> None:
+        """The base model's trainer crashed and came back empty: put every active run back from its latest training
+        checkpoint (with its optimizer state). Steps after that checkpoint are lost; a run that never saved state
+        cannot come back and is marked unloaded."""
+        for row in self.records.active_models_on(base_model):
+            saved = [c for c in self.records.run_checkpoints(row["id"]) if c["kind"] == "training"]
+            if not saved:
+                self.records.set_model_status(row["id"], "unloaded (the trainer restarted and this run had no saved "
+                                                         "state; create a new training client)")
+                log.warning("run %s lost in the trainer restart: it had no saved state", row["id"])
+                continue
+            path = saved[-1]["tinker_path"]
+            try:
+                await self._load(base_model, row["id"], path, True)
+            except Exception as exc:  # noqa: BLE001 - one run that cannot be reloaded must not stop the others
+                self.records.set_model_status(row["id"], f"unloaded (reloading {path} after a trainer restart "
+                                                         f"failed: {exc})")
+                log.warning("run %s could not be reloaded from %s: %s", row["id"], path, exc)
+                continue
+            log.warning("run %s reloaded from %s after the trainer restart; later steps were lost", row["id"], path)
+
     def metrics(self) -> dict:
         """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches."""
         trainers = self.scheduler.trainers
         return {name: {**counts, "mean_requests_per_batch": counts["requests"] / counts["batches"] if counts["batches"]
-                       else None, "node": trainers.facts[name].node}
+                       else None, "node": trainers.facts[name].node, "pid": trainers.facts[name].pid}
                 for name, counts in trainers.batch_counts.items()}
 
     # ---- create / info / unload -----------------------------------------------------------------------------------

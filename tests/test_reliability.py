@@ -186,3 +186,56 @@ def test_a_key_over_its_request_limit_gets_429_and_the_sdk_retries(model_cache, 
         service.close("success")
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_trainer_restarts_and_saved_runs_come_back(model_cache, tmp_path):
+    """kill -9 the trainer actor: Ray restarts it, the pool notices, and every active run is reloaded from its
+    latest training checkpoint (steps after it are lost); a run that never saved is marked unloaded, clearly."""
+    server = start_server(tmp_path / "data")
+    try:
+        url = server.base_url
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        saved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
+        unsaved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2).result()
+        datum = make_datum([11, 42, 77, 103], [250, 3, 99])
+        train(saved, datum, 2)
+        saved.save_state("last-good").result()
+        at_checkpoint = forward_logprobs(saved, datum)
+        train(saved, datum, 1)  # a step after the checkpoint: lost in the crash
+        assert np.abs(forward_logprobs(saved, datum) - at_checkpoint).max() > 1e-4
+        train(unsaved, datum, 1)
+
+        metrics = httpx.get(f"{url}/api/v1/metrics", headers=HEADERS).json()
+        old_pid = metrics["training"][BASE_MODEL]["pid"]
+        psutil.Process(old_pid).kill()
+        deadline = time.monotonic() + 120
+        while "reloaded from" not in server.log() or "lost in the trainer restart" not in server.log():
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.5)
+        metrics = httpx.get(f"{url}/api/v1/metrics", headers=HEADERS).json()
+        assert metrics["training"][BASE_MODEL]["pid"] != old_pid
+
+        np.testing.assert_allclose(forward_logprobs(saved, datum), at_checkpoint, atol=1e-6)
+        train(saved, datum, 1)  # and it trains on
+        with pytest.raises(tinker.RequestFailedError, match="trainer restarted"):
+            unsaved.forward_backward([datum], "cross_entropy").result()
+
+        # A crashed sampler replica comes back too, and loads adapters again on demand.
+        sampler = saved.save_weights_and_get_sampling_client().result()
+        greedy = types.SamplingParams(max_tokens=3, temperature=0.0, stop=[])
+        before = sampler.sample(types.ModelInput.from_ints([11, 42, 77, 103]), 1, greedy).result()
+        (replica,) = metrics["sampling"][BASE_MODEL]["replicas"]
+        psutil.Process(replica["pid"]).kill()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                after = sampler.sample(types.ModelInput.from_ints([11, 42, 77, 103]), 1, greedy).result()
+                break
+            except tinker.RequestFailedError as exc:  # the calls that met the dead replica fail as server errors
+                assert exc.category == types.RequestErrorCategory.Server and time.monotonic() < deadline
+                time.sleep(1)
+        assert after.sequences[0].tokens == before.sequences[0].tokens
+        service.close("success")
+    finally:
+        server.stop()
