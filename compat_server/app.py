@@ -12,8 +12,8 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
-from compat_server.futures import TooManyRequests
 from compat_server.openai_routes import OPENAI_ROUTER
+from compat_server.quotas import TooManyRequests
 from compat_server.services import Services, start_services
 from compat_server.tinker import ROUTES as TINKER_ROUTES
 from shims.errors import NotFound, UserError

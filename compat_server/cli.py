@@ -65,9 +65,13 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "refused (default: %(default)s)")
     parser.add_argument("--max-adapters", type=int, default=d.max_adapters,
                         help="most training runs (LoRA adapters) held at once per base model (default: %(default)s)")
+    parser.add_argument("--max-adapters-per-key", type=int, default=d.max_adapters_per_key,
+                        help="most training runs one API key may have loaded at once, over all base models; "
+                             "unload one (or let its session end) to create another (default: %(default)s)")
     parser.add_argument("--max-pending-per-key", type=int, default=d.max_pending_per_key,
-                        help="most unfinished (queued or running) Tinker requests one API key may have; beyond it "
-                             "requests get 429 with Retry-After, which the SDK retries (default: %(default)s)")
+                        help="most unfinished requests one API key may have: queued or running Tinker requests and "
+                             "OpenAI completions together; beyond it requests get 429 with Retry-After, which the "
+                             "tinker and openai SDKs retry (default: %(default)s)")
     parser.add_argument("--samplers", type=int, default=d.samplers,
                         help="sampler replicas per base model, each a Ray actor holding the model (default: %(default)s)")
     parser.add_argument("--sampler-backend", default=d.sampler_backend, choices=["auto", "transformers", "vllm"],
@@ -195,7 +199,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus,
         ray_object_store_mb=args.ray_object_store_mb, trainer_cpus=args.trainer_cpus, trainer_gpus=args.trainer_gpus,
         trainer_threads=args.trainer_threads, max_batch_tokens=args.max_batch_tokens,
-        max_adapters=args.max_adapters, max_pending_per_key=args.max_pending_per_key, samplers=args.samplers, sampler_backend=args.sampler_backend,
+        max_adapters=args.max_adapters, max_adapters_per_key=args.max_adapters_per_key,
+        max_pending_per_key=args.max_pending_per_key, samplers=args.samplers, sampler_backend=args.sampler_backend,
         sampler_cpus=args.sampler_cpus, sampler_gpus=args.sampler_gpus, sampler_threads=args.sampler_threads,
         sampler_batch=args.sampler_batch, max_resident_adapters=args.max_resident_adapters,
         vllm_max_lora_rank=args.vllm_max_lora_rank, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,

@@ -17,6 +17,7 @@ from datetime import datetime
 
 from adapters.base_models import BaseModelSpec
 from adapters.sampler import AdapterRef
+from compat_server.quotas import KeyQuota
 from compat_server.records import Records
 from compat_server.sampling import ModelNotFound, SamplingService
 from shims.errors import UserError
@@ -48,6 +49,7 @@ class Prepared:
     """A checked request, ready to sample: one job per prompt (chat has one)."""
 
     chat: bool
+    owner: str
     model: str
     base_model: str
     adapter: AdapterRef | None
@@ -89,8 +91,10 @@ def _logprobs(seq, start: int = 0) -> TokenLogprobs:
 
 
 class CompletionsService:
-    def __init__(self, sampling: SamplingService, records: Records, base_models: dict[str, BaseModelSpec]) -> None:
+    def __init__(self, sampling: SamplingService, records: Records, base_models: dict[str, BaseModelSpec],
+                 quota: KeyQuota) -> None:
         self.sampling = sampling
+        self.quota = quota
         self.records = records
         self.base_models = base_models
         self.started = int(time.time())
@@ -142,14 +146,16 @@ class CompletionsService:
         if req.user:
             log.debug("%s request from user %r on %s", "chat" if chat else "completion", req.user, req.model)
         return Prepared(
-            chat=chat, model=req.model, base_model=base_model, adapter=adapter, vocab=vocab, jobs=jobs,
+            chat=chat, owner=owner, model=req.model, base_model=base_model, adapter=adapter, vocab=vocab, jobs=jobs,
             logprobs=wants_logprobs, stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()))
 
     async def complete(self, p: Prepared) -> dict:
-        results: list[SampleResult] = await asyncio.gather(
-            *(self.sampling.run_job(p.base_model, p.adapter, job) for job in p.jobs))
+        """The whole response; counts against the key's ``--max-pending-per-key`` while it is sampled."""
+        with self.quota.hold(p.owner):
+            results: list[SampleResult] = await asyncio.gather(
+                *(self.sampling.run_job(p.base_model, p.adapter, job) for job in p.jobs))
         choices = []
         for i, result in enumerate(results):
             for j, seq in enumerate(result.sequences):
@@ -160,10 +166,23 @@ class CompletionsService:
         build = chat_completion if p.chat else text_completion
         return build(p.vocab, p.id, p.created, p.model, choices, used)
 
-    async def stream(self, p: Prepared) -> AsyncIterator[bytes]:
+    def stream(self, p: Prepared) -> AsyncIterator[bytes]:
         """Server-sent events: (chat) each choice's role first; text deltas as tokens arrive; each choice's last delta
         with its finish_reason; the usage chunk if asked for; ``[DONE]``. Prompts of a multi-prompt completion are
-        streamed one after the other."""
+        streamed one after the other.
+
+        A key at its request limit is refused here, before the 200 status line goes out; the stream itself counts
+        against the limit from its first event until it ends (counting inside the generator is what guarantees the
+        count is given back, even when the client goes away before the stream starts)."""
+        self.quota.check(p.owner)
+        return self._stream(p)
+
+    async def _stream(self, p: Prepared) -> AsyncIterator[bytes]:
+        with self.quota.hold(p.owner, checked=False):  # admitted by ``stream``
+            async for event in self._events(p):
+                yield event
+
+    async def _events(self, p: Prepared) -> AsyncIterator[bytes]:
         header = (p.id, p.created, p.model)
         chunk = chat_chunk if p.chat else completion_chunk
         completion_tokens = 0

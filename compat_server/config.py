@@ -35,6 +35,7 @@ class ServerConfig:
     sampler_resources: dict[str, float] = field(default_factory=dict)
     max_batch_tokens: int = 131072
     max_adapters: int = 64
+    max_adapters_per_key: int = 32
     max_pending_per_key: int = 1024
     samplers: int = 1
     sampler_backend: str = "auto"
@@ -74,6 +75,7 @@ class ServerConfig:
             (self.samplers >= 1, "--samplers must be at least 1"),
             (self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1"),
             (self.max_adapters >= 1, "--max-adapters must be at least 1"),
+            (self.max_adapters_per_key >= 1, "--max-adapters-per-key must be at least 1"),
             (self.max_pending_per_key >= 1, "--max-pending-per-key must be at least 1"),
             (self.sampler_batch >= 1, "--sampler-batch must be at least 1"),
             (self.max_resident_adapters >= 1, "--max-resident-adapters must be at least 1"),

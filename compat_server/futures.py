@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 
+from compat_server.quotas import KeyQuota
 from compat_server.records import Records
 
 JSON = "application/json"
@@ -24,23 +25,13 @@ class Payload:
     body: bytes
 
 
-class TooManyRequests(Exception):
-    """A key already has its limit of unfinished requests; answered 429 with ``Retry-After``, which the SDK's
-    client honours by retrying the same request later."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 class FutureHub:
     """Creates futures, records their outcome, and lets pollers wait for it."""
 
-    def __init__(self, records: Records, max_pending_per_key: int | None = None) -> None:
+    def __init__(self, records: Records, quota: KeyQuota | None = None) -> None:
         self.records = records
-        self.max_pending_per_key = max_pending_per_key
+        self.quota = quota or KeyQuota(None)
         self._events: dict[str, asyncio.Event] = {}
-        self._pending: dict[str, int] = {}
         self._owners: dict[str, str] = {}
 
     def create(self, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
@@ -53,15 +44,15 @@ class FutureHub:
             existing = self.records.future_by_idempotency_key(owner, idempotency_key)
             if existing is not None:
                 return existing["request_id"], False
-        pending = self._pending.get(owner, 0)
-        if self.max_pending_per_key is not None and pending >= self.max_pending_per_key:
-            raise TooManyRequests(f"this key already has {pending} unfinished requests (--max-pending-per-key "
-                                  f"{self.max_pending_per_key}); retry when some have finished")
         request_id = f"req-{uuid.uuid4().hex}"
-        self.records.create_future(request_id, owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
-                                   idempotency_key=idempotency_key)
+        self.quota.acquire(owner)  # released when the future finishes (``_wake``)
+        try:
+            self.records.create_future(request_id, owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
+                                       idempotency_key=idempotency_key)
+        except BaseException:
+            self.quota.release(owner)
+            raise
         self._events[request_id] = asyncio.Event()
-        self._pending[owner] = pending + 1
         self._owners[request_id] = owner
         return request_id, True
 
@@ -76,7 +67,7 @@ class FutureHub:
     def _wake(self, request_id: str) -> None:
         owner = self._owners.pop(request_id, None)
         if owner is not None:
-            self._pending[owner] -= 1
+            self.quota.release(owner)
         event = self._events.pop(request_id, None)
         if event is not None:
             event.set()

@@ -15,6 +15,7 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from compat_server.completions import CompletionsService
+from compat_server.quotas import TooManyRequests
 from compat_server.services import Services
 from shims.errors import NotFound, UserError
 from shims.openai_wire import OpenAIError
@@ -58,8 +59,12 @@ async def retrieve_model(model: FromPath[str], owner: NamedDependency[str],
 
 
 def _openai_error(_: Request, exc: Exception) -> Response:
+    headers = {}
     if isinstance(exc, OpenAIError):
         error = exc
+    elif isinstance(exc, TooManyRequests):  # the openai client retries a 429 after its Retry-After
+        error = OpenAIError(429, str(exc), code="rate_limit_exceeded", kind="requests")
+        headers["Retry-After"] = f"{exc.retry_after:g}"
     elif isinstance(exc, NotFound):
         error = OpenAIError(404, str(exc), param="model", code="model_not_found")
     elif isinstance(exc, UserError):
@@ -73,12 +78,12 @@ def _openai_error(_: Request, exc: Exception) -> Response:
     else:
         log.exception("unhandled error on an OpenAI route")
         error = OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}", kind="server_error")
-    return Response(error.body(), status_code=error.status)
+    return Response(error.body(), status_code=error.status, headers=headers)
 
 
 OPENAI_ROUTER = Router(
     path="/v1", route_handlers=[chat_completions, completions, list_models, retrieve_model],
     # Every class the app maps to the Tinker shape is named again here, so these routes answer in OpenAI's shape.
-    exception_handlers={cls: _openai_error for cls in (OpenAIError, NotFound, UserError, HTTPException,
-                                                       ValidationException, Exception)},
+    exception_handlers={cls: _openai_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
+                                                       HTTPException, ValidationException, Exception)},
 )

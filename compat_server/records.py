@@ -98,6 +98,9 @@ class Records:
     def active_models_of(self, session_id: str) -> list[dict]:
         return list(self.db["models"].rows_where("session_id = ? AND status = 'active'", [session_id]))
 
+    def active_model_count(self, owner: str) -> int:
+        return self.db["models"].count_where("owner = ? AND status = 'active'", [owner])
+
     def active_models_on(self, base_model: str) -> list[dict]:
         return list(self.db["models"].rows_where("base_model = ? AND status = 'active'", [base_model]))
 

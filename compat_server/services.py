@@ -20,6 +20,7 @@ from compat_server.completions import CompletionsService
 from compat_server.config import ServerConfig
 from compat_server.downloads import UrlSigner
 from compat_server.futures import FutureHub
+from compat_server.quotas import KeyQuota
 from compat_server.records import Records
 from compat_server.runs import RunsService
 from compat_server.sampling import SamplingOptions, SamplingService
@@ -36,6 +37,7 @@ class Services:
     config: ServerConfig
     records: Records
     hub: FutureHub
+    quota: KeyQuota
     trainers: TrainerPool
     samplers: SamplerPool
     scheduler: Scheduler
@@ -119,7 +121,8 @@ async def start_services(config: ServerConfig) -> Services:
         max_resident=config.max_resident_adapters, vllm_max_lora_rank=config.vllm_max_lora_rank,
         vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization or round(0.85 * min(sampler_gpus, 1.0), 2)))
     await asyncio.gather(trainers.start(), samplers.start())
-    hub = FutureHub(records, config.max_pending_per_key)
+    quota = KeyQuota(config.max_pending_per_key)
+    hub = FutureHub(records, quota)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
     checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
     if checkpoints.abandoned:
@@ -130,12 +133,12 @@ async def start_services(config: ServerConfig) -> Services:
                                                drift_probe_every=config.drift_probe_every,
                                                ephemeral_keep=config.ephemeral_keep,
                                                stability_ttl_seconds=config.stability_ttl))
-    training = TrainingService(records, scheduler, checkpoints, base_models, sampling)
+    training = TrainingService(records, scheduler, checkpoints, base_models, sampling, config.max_adapters_per_key)
     trainers.on_restart = training.reload_after_restart
     runs = RunsService(records, checkpoints, UrlSigner(config.url_key_path, config.download_url_ttl))
-    services = Services(config=config, records=records, hub=hub, trainers=trainers, samplers=samplers,
+    services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
-                    completions=CompletionsService(sampling, records, base_models),
+                    completions=CompletionsService(sampling, records, base_models, quota),
                     runs=runs, base_models=base_models)
     loop = asyncio.get_running_loop()
     services.background = [loop.create_task(_sweep_expired(services)), loop.create_task(trainers.watch(2.0))]

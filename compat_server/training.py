@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 
@@ -39,8 +41,11 @@ class TrainingService:
     """Tinker training calls for one server: create, train, save, load and unload LoRA models."""
 
     def __init__(self, records: Records, scheduler: Scheduler, checkpoints: CheckpointStore,
-                 base_models: dict[str, BaseModelSpec], sampling: SamplingService) -> None:
+                 base_models: dict[str, BaseModelSpec], sampling: SamplingService,
+                 max_adapters_per_key: int | None = None) -> None:
         self.records = records
+        self.max_adapters_per_key = max_adapters_per_key
+        self._creating: dict[str, int] = {}
         self.sampling = sampling
         self.scheduler = scheduler
         self.checkpoints = checkpoints
@@ -57,6 +62,24 @@ class TrainingService:
         if row["status"] != "active":
             raise UserError(f"model {model_id} is {row['status']}; create a new training client")
         return row
+
+    @contextmanager
+    def _new_model_slot(self, owner: str) -> Iterator[None]:
+        """Admit one more loaded model for ``owner`` under ``--max-adapters-per-key``. Creations still running count
+        too, so concurrent creates cannot slip past the limit together."""
+        creating = self._creating.get(owner, 0)
+        loaded = self.records.active_model_count(owner) + creating
+        if self.max_adapters_per_key is not None and loaded >= self.max_adapters_per_key:
+            raise UserError(f"this key already has {loaded} training runs loaded (--max-adapters-per-key "
+                            f"{self.max_adapters_per_key}); unload one (save its state first to keep it) or end its "
+                            "session, then create this one")
+        self._creating[owner] = creating + 1
+        try:
+            yield
+        finally:
+            self._creating[owner] -= 1
+            if not self._creating[owner]:
+                del self._creating[owner]
 
     def _base(self, name: str) -> BaseModelSpec:
         spec = self.base_models.get(name)
@@ -144,9 +167,10 @@ class TrainingService:
             spec = LoraSpec(rank=lora.rank, seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
                             train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed)
             spec.validate()
-            await self.scheduler.trainer(base.name, "create", model_id, spec)
-            self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
-                                      lora=asdict(spec), user_metadata=req.user_metadata)
+            with self._new_model_slot(owner):
+                await self.scheduler.trainer(base.name, "create", model_id, spec)
+                self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
+                                          lora=asdict(spec), user_metadata=req.user_metadata)
             log.info("model created: %s on %s (LoRA rank %d)", model_id, base.name, spec.rank)
             return json_payload(types.CreateModelResponse(model_id=model_id))
 
@@ -307,9 +331,10 @@ class TrainingService:
             if req.base_model and req.base_model != ckpt["base_model"]:
                 raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, not {req.base_model}")
             base = self._base(ckpt["base_model"])
-            spec: LoraSpec = await self._load(base.name, model_id, req.path, req.optimizer)
-            self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
-                                      lora=asdict(spec), user_metadata=req.user_metadata)
+            with self._new_model_slot(owner):
+                spec: LoraSpec = await self._load(base.name, model_id, req.path, req.optimizer)
+                self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
+                                          lora=asdict(spec), user_metadata=req.user_metadata)
             log.info("model created from %s: %s on %s", req.path, model_id, base.name)
             return json_payload(types.LoadWeightsResponse(path=req.path, model_id=model_id, type="load_weights"))
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+import openai
 import psutil
 import pytest
 import tinker
@@ -102,10 +104,10 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
         server.stop()
 
 
-def _result(url: str, request_id: str) -> dict | bytes:
+def _result(url: str, request_id: str, key: str = KEY) -> dict | bytes:
     """Poll a future to its end over raw HTTP, as the SDK does."""
     while True:
-        answer = httpx.post(f"{url}/api/v1/retrieve_future", headers=HEADERS, timeout=60,
+        answer = httpx.post(f"{url}/api/v1/retrieve_future", headers={"X-API-Key": key}, timeout=60,
                             json={"request_id": request_id})
         if answer.headers["content-type"].startswith("application/x-protobuf"):
             return answer.content
@@ -157,8 +159,11 @@ def test_sessions_that_stop_heartbeating_expire_and_their_models_unload(model_ca
 
 
 @pytest.mark.timeout(300)
-def test_a_key_over_its_request_limit_gets_429_and_the_sdk_retries(model_cache, tmp_path):
-    server = start_server(tmp_path / "data", "--max-pending-per-key", "2")
+def test_per_key_limits_refuse_clearly_and_both_sdks_retry(model_cache, tmp_path):
+    """--max-pending-per-key counts Tinker futures and OpenAI completions of a key together: over it, 429 with
+    Retry-After in each API's error shape, which both SDKs honour; other keys are not held back.
+    --max-adapters-per-key refuses a further training run with a clear error until one is unloaded."""
+    server = start_server(tmp_path / "data", "--max-pending-per-key", "2", "--max-adapters-per-key", "2")
     try:
         url = server.base_url
 
@@ -168,22 +173,69 @@ def test_a_key_over_its_request_limit_gets_429_and_the_sdk_retries(model_cache, 
                 "sampling_params": {"max_tokens": max_tokens, "stop": []},
                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}})
 
+        def chat(key: str, max_tokens: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
+                "model": BASE_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
+
         running = [asample(KEY, 1500).json()["request_id"] for _ in range(2)]
         refused = asample(KEY, 2)
         assert refused.status_code == 429 and float(refused.headers["Retry-After"]) > 0
         assert refused.json()["category"] == "user" and "--max-pending-per-key 2" in refused.json()["error"]
+        refused = chat(KEY, 2)  # the same count covers the OpenAI routes, answered in OpenAI's shape
+        assert refused.status_code == 429 and float(refused.headers["Retry-After"]) > 0
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "--max-pending-per-key 2" in refused.json()["error"]["message"]
         assert asample("tml-test-someone-else", 2).status_code == 200  # other keys are not held back
+        assert chat("tml-test-someone-else", 2).status_code == 200
         for request_id in running:
             _result(url, request_id)
         assert asample(KEY, 2).status_code == 200  # room again once they finished
 
-        # The SDK honours 429 + Retry-After: more concurrent requests than the limit all complete.
+        # Open OpenAI streams hold the key's count too: Tinker requests wait for them.
+        openai_client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        streams = [openai_client.chat.completions.create(
+            model=BASE_MODEL, max_tokens=1500, stream=True, messages=[{"role": "user", "content": "hi"}])
+            for _ in range(2)]
+        for stream in streams:
+            next(iter(stream))  # the stream has started
+        assert asample(KEY, 2).status_code == 429
+        with pytest.raises(openai.RateLimitError, match="max-pending-per-key"):
+            openai_client.chat.completions.create(model=BASE_MODEL, max_tokens=2, stream=True,
+                                                  messages=[{"role": "user", "content": "hi"}])
+        for stream in streams:
+            assert sum(1 for _ in stream) > 0
+        assert asample(KEY, 2).status_code == 200  # streams that ended gave their count back
+
+        # Both SDKs honour 429 + Retry-After: more concurrent requests than the limit all complete.
         service = tinker.ServiceClient(base_url=url, api_key="tml-test-limited-sdk")
         sampler = service.create_sampling_client(base_model=BASE_MODEL).result()
         params = types.SamplingParams(max_tokens=64, stop=[], seed=1)
         futures = [sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, params) for _ in range(6)]
         assert all(len(f.result().sequences[0].tokens) == 64 for f in futures)
+        retrying = openai.OpenAI(base_url=f"{url}/v1", api_key="tml-test-limited-sdk", max_retries=20)
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: retrying.chat.completions.create(
+                model=BASE_MODEL, max_tokens=32, messages=[{"role": "user", "content": "hi"}]), range(6)))
+        assert all(answer.usage.completion_tokens > 0 for answer in answers)
+        usage = httpx.get(f"{url}/api/v1/metrics", headers={"X-API-Key": "tml-test-limited-sdk"}).json()["requests"]
+        assert usage["pending"] == 0 and usage["limit"] == 2
+        assert usage["refused"] > 0  # the SDKs did meet 429s, and retried past them
+
+        # --max-adapters-per-key: a third loaded run is refused; unloading one makes room.
+        first, second = (service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+                         for _ in range(2))
+        with pytest.raises(tinker.RequestFailedError, match="--max-adapters-per-key 2"):
+            service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        other = tinker.ServiceClient(base_url=url, api_key="tml-test-someone-else")
+        other.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()  # another key's runs do not count
+        unloaded = httpx.post(f"{url}/api/v1/unload_model", headers={"X-API-Key": "tml-test-limited-sdk"},
+                              json={"model_id": first.model_id}).json()
+        assert _result(url, unloaded["request_id"], "tml-test-limited-sdk")["type"] == "unload_model"
+        third = service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        train(third, make_datum([1, 2, 3], [4, 5]), 1)
+        train(second, make_datum([1, 2, 3], [4, 5]), 1)
         service.close("success")
+        other.close("success")
     finally:
         server.stop()
 

@@ -40,8 +40,10 @@ async def asample(request: Request, owner: NamedDependency[str], services: Named
 async def metrics(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     """Per base model: sampling counters, sampled tokens/s, the sampler replicas' load and resident adapters, the
     measured gap between sampler and trainer logprobs for the same tokens (rollout-vs-train drift), and how many
-    training requests shared each trainer batch."""
-    return {"sampling": await services.sampling.metrics(), "training": services.training.metrics()}
+    training requests shared each trainer batch; and the calling key's own request count against
+    ``--max-pending-per-key`` (unfinished now, and refused with 429 so far)."""
+    return {"sampling": await services.sampling.metrics(), "training": services.training.metrics(),
+            "requests": services.quota.usage(owner)}
 
 
 SAMPLING_ROUTES = [create_sampling_session, get_sampler, asample, metrics]

@@ -1,0 +1,32 @@
+"""The per-key request quota that both the Tinker futures and the OpenAI completions count against."""
+
+from __future__ import annotations
+
+import pytest
+
+from compat_server.quotas import KeyQuota, TooManyRequests
+
+
+def test_a_key_at_its_limit_is_refused_until_a_request_finishes_and_other_keys_are_not():
+    quota = KeyQuota(2)
+    quota.acquire("a")
+    with quota.hold("a"):
+        with pytest.raises(TooManyRequests, match="2 unfinished requests"):
+            quota.acquire("a")
+        quota.acquire("b")  # another key has its own count
+    quota.acquire("a")  # the held one was given back
+    assert quota.usage("a") == {"pending": 2, "limit": 2, "refused": 1}
+    quota.release("a")
+    quota.release("a")
+    assert quota.usage("a")["pending"] == 0
+
+
+def test_a_block_that_fails_still_gives_its_count_back_and_admitted_work_is_never_refused():
+    quota = KeyQuota(1)
+    with pytest.raises(RuntimeError), quota.hold("a"):
+        raise RuntimeError("the request failed")
+    quota.check("a")
+    quota.acquire("a")
+    with quota.hold("a", checked=False):  # admitted earlier by ``check``: counted, not refused
+        assert quota.pending("a") == 2
+    assert KeyQuota(None).usage("a")["limit"] is None
