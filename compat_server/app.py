@@ -8,7 +8,7 @@ import os
 import ray
 from litestar import Litestar, Request, Response
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
@@ -44,6 +44,10 @@ def _validation_error(_: Request, exc: ValidationException) -> Response:
     return _error(400, f"{exc.detail}{': ' + problems if problems else ''}")
 
 
+def _bad_json(_: Request, exc: SerializationException) -> Response:
+    return _error(400, f"the request body is not valid JSON: {exc}")
+
+
 def _http_error(_: Request, exc: HTTPException) -> Response:
     return _error(exc.status_code, exc.detail, "user" if exc.status_code < 500 else "server")
 
@@ -74,7 +78,7 @@ def create_app(config: ServerConfig) -> Litestar:
         dependencies={"services": Provide(provide_services, sync_to_thread=False), "owner": Provide(provide_owner)},
         exception_handlers={
             UserError: _user_error, NotFound: _not_found, TooManyRequests: _too_many,
-            ValidationException: _validation_error, HTTPException: _http_error, Exception: _server_error,
+            ValidationException: _validation_error, SerializationException: _bad_json, HTTPException: _http_error, Exception: _server_error,
         },
         request_max_body_size=config.max_body_mb * 1024 * 1024,
         debug=False,

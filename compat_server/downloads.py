@@ -37,4 +37,4 @@ class UrlSigner:
     def valid(self, tinker_path: str, file: str, expires: int, signature: str) -> bool:
         """The signature matches (compared in constant time) and the expiry has not passed."""
         expected = self._signature(tinker_path, file, expires)
-        return hmac.compare_digest(expected, signature) and time.time() < expires
+        return hmac.compare_digest(expected.encode(), signature.encode()) and time.time() < expires

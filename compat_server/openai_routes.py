@@ -10,7 +10,12 @@ import logging
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException, NotAuthorizedException, ValidationException
+from litestar.exceptions import (
+    HTTPException,
+    NotAuthorizedException,
+    SerializationException,
+    ValidationException,
+)
 from litestar.params import FromPath
 from litestar.response import Stream
 
@@ -71,6 +76,8 @@ def _openai_error(_: Request, exc: Exception) -> Response:
         error = OpenAIError(400, str(exc))
     elif isinstance(exc, NotAuthorizedException):
         error = OpenAIError(401, exc.detail, code="invalid_api_key", kind="authentication_error")
+    elif isinstance(exc, SerializationException):
+        error = OpenAIError(400, f"the request body is not valid JSON: {exc}")
     elif isinstance(exc, ValidationException):
         error = OpenAIError(400, f"the request body is not valid JSON: {exc.detail}")
     elif isinstance(exc, HTTPException):
@@ -85,5 +92,6 @@ OPENAI_ROUTER = Router(
     path="/v1", route_handlers=[chat_completions, completions, list_models, retrieve_model],
     # Every class the app maps to the Tinker shape is named again here, so these routes answer in OpenAI's shape.
     exception_handlers={cls: _openai_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
-                                                       HTTPException, ValidationException, Exception)},
+                                                       HTTPException, ValidationException, SerializationException,
+                                                       Exception)},
 )

@@ -27,8 +27,14 @@ Job = Callable[[], Awaitable[Payload]]
 class _Lane:
     next_seq: int = 1
     waiting: dict[int, tuple[str, Job]] = field(default_factory=dict)
-    skipped: set[int] = field(default_factory=set)
-    """Numbers passed over by the gap timeout: if one turns up late after all, it still runs."""
+    skipped: list[range] = field(default_factory=list)
+    """Numbers passed over by the gap timeout: if one turns up late after all, it still runs. Kept as ranges: a
+    client may jump far ahead (seq_id 2**62), and the numbers in between must not be listed one by one."""
+    late: set[int] = field(default_factory=set)
+    """Skipped numbers that did turn up (each may run once)."""
+
+    def was_skipped(self, seq_id: int) -> bool:
+        return seq_id not in self.late and any(seq_id in gap for gap in self.skipped)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task | None = None
 
@@ -60,11 +66,12 @@ class Scheduler:
         if lane is None:
             self._spawn(self._run(request_id, kind, job))
             return request_id
-        if seq_id < lane.next_seq and seq_id not in lane.skipped:
-            self.hub.fail(request_id, f"seq_id {seq_id} of model {model_id} was already used; the next expected "
-                                      f"is {lane.next_seq}", "user")
-            return request_id
-        lane.skipped.discard(seq_id)
+        if seq_id < lane.next_seq:
+            if not lane.was_skipped(seq_id):
+                self.hub.fail(request_id, f"seq_id {seq_id} of model {model_id} was already used; the next "
+                                          f"expected is {lane.next_seq}", "user")
+                return request_id
+            lane.late.add(seq_id)
         lane.waiting[seq_id] = (request_id, job)
         lane.arrived.set()
         if lane.runner is None or lane.runner.done():
@@ -92,7 +99,7 @@ class Scheduler:
                     continue
                 except TimeoutError:
                     seq = min(lane.waiting)
-                    lane.skipped.update(range(lane.next_seq, seq))
+                    lane.skipped.append(range(lane.next_seq, seq))
                     log.warning("model %s: seq_id %d never arrived after %.0fs; continuing at %d", model_id,
                                 lane.next_seq, self.gap_timeout, seq)
             request_id, job = lane.waiting.pop(seq)

@@ -135,3 +135,21 @@ def test_records_use_wal_and_carry_a_schema_version(tmp_path):
     assert [row["version"] for row in records.db["schema_version"].rows] == [1]
     Records(tmp_path / "r.sqlite3")  # reopening an existing database keeps one version row
     assert records.db["schema_version"].count == 1
+
+
+def test_a_turn_far_ahead_runs_after_the_gap_and_late_skipped_turns_run_once(hub):
+    """A client jumping to seq_id 2**62 must not make the lane list every number it skipped (that would hang the
+    server); a skipped number arriving late still runs, once."""
+    async def scenario():
+        scheduler = Scheduler(hub, trainers=None, gap_timeout=0.2)
+        log: list[str] = []
+        far = scheduler.submit(owner="o", kind="k", job=recorder(log, "far"), model_id="a", seq_id=2**62)
+        await hub.wait(far, "o", 3)
+        late = scheduler.submit(owner="o", kind="k", job=recorder(log, "5-late"), model_id="a", seq_id=5)
+        await hub.wait(late, "o", 3)
+        again = scheduler.submit(owner="o", kind="k", job=recorder(log, "5-again"), model_id="a", seq_id=5)
+        return log, await hub.wait(again, "o", 3)
+
+    log, again = run(scenario())
+    assert log == ["far", "5-late"]
+    assert again["state"] == "failed" and "already used" in again["error"]

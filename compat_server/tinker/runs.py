@@ -7,7 +7,7 @@ from typing import Annotated
 
 from litestar import Request, delete, get, post, put
 from litestar.di import NamedDependency
-from litestar.params import Body, FromPath, FromQuery
+from litestar.params import Body, FromPath, FromQuery, Parameter
 from litestar.response import File
 from pydantic import BaseModel
 from tinker import types
@@ -15,6 +15,10 @@ from tinker import types
 from compat_server.services import Services
 
 API = "/api/v1"
+MAX_PAGE = 1000
+# Page bounds are checked here, so a negative or huge value is a 400 naming it, not a database error.
+Limit = Annotated[int, Parameter(ge=1, le=MAX_PAGE, description=f"items per page (1 to {MAX_PAGE})")]
+Offset = Annotated[int, Parameter(ge=0, le=2**62, description="how many items to skip")]
 
 
 class TtlBody(BaseModel):
@@ -30,7 +34,7 @@ CHECKPOINT = f"{API}/training_runs/{{run_id:str}}/checkpoints/{{kind:str}}/{{nam
 
 @get(f"{API}/training_runs")
 async def list_training_runs(owner: NamedDependency[str], services: NamedDependency[Services],
-                             limit: FromQuery[int] = 20, offset: FromQuery[int] = 0) -> types.TrainingRunsResponse:
+                             limit: Limit = 20, offset: Offset = 0) -> types.TrainingRunsResponse:
     return services.runs.list_training_runs(owner, limit, offset)
 
 
@@ -48,7 +52,7 @@ async def list_checkpoints(run_id: FromPath[str], owner: NamedDependency[str],
 
 @get(f"{API}/checkpoints")
 async def list_user_checkpoints(owner: NamedDependency[str], services: NamedDependency[Services],
-                                limit: FromQuery[int] = 100, offset: FromQuery[int] = 0) -> types.CheckpointsListResponse:
+                                limit: Limit = 100, offset: Offset = 0) -> types.CheckpointsListResponse:
     return services.runs.list_user_checkpoints(owner, limit, offset)
 
 
@@ -107,7 +111,7 @@ async def copy_weights(owner: NamedDependency[str], services: NamedDependency[Se
 
 @get(f"{API}/sessions")
 async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
-                        limit: FromQuery[int] = 20, offset: FromQuery[int] = 0) -> types.ListSessionsResponse:
+                        limit: Limit = 20, offset: Offset = 0) -> types.ListSessionsResponse:
     return services.runs.list_sessions(owner, limit, offset)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Annotated
 
 import zstandard
@@ -34,16 +35,28 @@ async def get_info(owner: NamedDependency[str], services: NamedDependency[Servic
     return services.training.get_info(owner, data.model_id)
 
 
+def unzstd(body: bytes, max_mb: int) -> bytes:
+    """Decompress a zstd body, refusing one that inflates past ``--max-body-mb``. Read in bounded steps: a frame's
+    declared content size cannot be trusted (a tiny body may claim, or really hold, gigabytes)."""
+    limit = max_mb * 1024 * 1024
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
+                out += chunk
+                if len(out) > limit:
+                    raise UserError(f"the zstd body inflates past the request size limit (--max-body-mb {max_mb})")
+    except zstandard.ZstdError as exc:
+        raise UserError(f"invalid zstd body: {exc}") from None
+    return bytes(out)
+
+
 @post(f"{API}/forward_backward", status_code=200)
 async def forward_backward(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     """The body is a protobuf ``ForwardBackwardRequest`` (zstd-compressed if the client says so)."""
     body = await request.body()
     if request.headers.get("content-encoding", "").lower() == "zstd":
-        limit = services.config.max_body_mb * 1024 * 1024
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
-        except zstandard.ZstdError as exc:
-            raise UserError(f"invalid zstd body: {exc}") from None
+        body = unzstd(body, services.config.max_body_mb)
     try:
         batch = decode_forward_backward(body)
     except RejectedRequest as exc:
