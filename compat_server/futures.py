@@ -7,8 +7,12 @@ wake up long-polling ``retrieve_future`` calls.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from compat_server.quotas import KeyQuota
 from compat_server.records import Records
@@ -25,6 +29,24 @@ class Payload:
     body: bytes
 
 
+class LatencyWindow:
+    """The most recent durations of one kind (a bounded window, so memory stays flat), for p50/p99 in the metrics."""
+
+    def __init__(self, size: int = 10_000) -> None:
+        self._seconds: deque[float] = deque(maxlen=size)
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        self._seconds.append(seconds)
+        self.count += 1
+
+    def summary(self) -> dict:
+        if not self._seconds:
+            return {"count": self.count, "p50_ms": None, "p99_ms": None, "max_ms": None}
+        p50, p99, top = np.percentile(np.fromiter(self._seconds, float), [50, 99, 100]) * 1000
+        return {"count": self.count, "p50_ms": round(p50, 2), "p99_ms": round(p99, 2), "max_ms": round(top, 2)}
+
+
 class FutureHub:
     """Creates futures, records their outcome, and lets pollers wait for it."""
 
@@ -33,6 +55,11 @@ class FutureHub:
         self.quota = quota or KeyQuota(None)
         self._events: dict[str, asyncio.Event] = {}
         self._owners: dict[str, str] = {}
+        self._started: dict[str, float] = {}
+        self.completion = LatencyWindow()
+        """Submit to result, per future: what a client waits in all."""
+        self.polls = LatencyWindow()
+        """Each ``retrieve_future`` call, including the time it is held open waiting for the result."""
 
     def create(self, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
                idempotency_key: str | None) -> tuple[str, bool]:
@@ -54,6 +81,7 @@ class FutureHub:
             raise
         self._events[request_id] = asyncio.Event()
         self._owners[request_id] = owner
+        self._started[request_id] = time.perf_counter()
         return request_id, True
 
     def complete(self, request_id: str, payload: Payload) -> None:
@@ -68,18 +96,26 @@ class FutureHub:
         owner = self._owners.pop(request_id, None)
         if owner is not None:
             self.quota.release(owner)
+        started = self._started.pop(request_id, None)
+        if started is not None:
+            self.completion.add(time.perf_counter() - started)
         event = self._events.pop(request_id, None)
         if event is not None:
             event.set()
 
     async def wait(self, request_id: str, owner: str, hold_seconds: float) -> dict | None:
         """The future's record once it is finished, waiting up to ``hold_seconds``; None if it is unknown."""
+        started = time.perf_counter()
         row = self.records.future(request_id, owner)
-        if row is None or row["state"] != "pending":
-            return row
-        event = self._events.setdefault(request_id, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout=hold_seconds)
-        except TimeoutError:
-            pass
-        return self.records.future(request_id, owner)
+        if row is not None and row["state"] == "pending":
+            event = self._events.setdefault(request_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout=hold_seconds)
+            except TimeoutError:
+                pass
+            row = self.records.future(request_id, owner)
+        self.polls.add(time.perf_counter() - started)
+        return row
+
+    def latency(self) -> dict:
+        return {"completion": self.completion.summary(), "retrieve_future": self.polls.summary()}

@@ -41,9 +41,10 @@ async def metrics(owner: NamedDependency[str], services: NamedDependency[Service
     """Per base model: sampling counters, sampled tokens/s, the sampler replicas' load and resident adapters, the
     measured gap between sampler and trainer logprobs for the same tokens (rollout-vs-train drift), and how many
     training requests shared each trainer batch; and the calling key's own request count against
-    ``--max-pending-per-key`` (unfinished now, and refused with 429 so far)."""
+    ``--max-pending-per-key`` (unfinished now, and refused with 429 so far); and futures' latency percentiles over
+    the server's most recent ones (submit to result, and each ``retrieve_future`` call)."""
     return {"sampling": await services.sampling.metrics(), "training": services.training.metrics(),
-            "requests": services.quota.usage(owner)}
+            "requests": services.quota.usage(owner), "futures": services.hub.latency()}
 
 
 SAMPLING_ROUTES = [create_sampling_session, get_sampler, asample, metrics]
