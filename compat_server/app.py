@@ -78,7 +78,8 @@ def create_app(config: ServerConfig) -> Litestar:
         dependencies={"services": Provide(provide_services, sync_to_thread=False), "owner": Provide(provide_owner)},
         exception_handlers={
             UserError: _user_error, NotFound: _not_found, TooManyRequests: _too_many,
-            ValidationException: _validation_error, SerializationException: _bad_json, HTTPException: _http_error, Exception: _server_error,
+            ValidationException: _validation_error, SerializationException: _bad_json, HTTPException: _http_error,
+            Exception: _server_error,
         },
         request_max_body_size=config.max_body_mb * 1024 * 1024,
         debug=False,
