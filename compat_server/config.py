@@ -35,7 +35,7 @@ class ServerConfig:
     sampler_resources: dict[str, float] = field(default_factory=dict)
     max_batch_tokens: int = 131072
     max_adapters: int = 64
-    max_adapters_per_key: int = 32
+    max_adapters_per_key: int = 64
     max_pending_per_key: int = 1024
     samplers: int = 1
     sampler_backend: str = "auto"
