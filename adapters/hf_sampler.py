@@ -140,7 +140,8 @@ class TransformersSampler:
             except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
                 self.adapters.forget(ref.key, slot.slot_id)
                 raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None
-            log.info("adapter loaded into sampler: %s (%s)", ref.key, name)
+            log.info("adapter loaded into sampler: %s (%s)", ref.key, name,
+                     extra={"event": "adapter_loaded", "adapter": ref.key, "slot": name})
         self._unload(slot.evicted)
         self.peft.set_adapter(name)  # some adapter must stay active; mixed batches name their own per row
         return name, slot.slot_id
@@ -148,7 +149,8 @@ class TransformersSampler:
     def _unload(self, slot_ids) -> None:
         for slot_id in slot_ids:
             self.peft.delete_adapter(f"slot_{slot_id}")
-            log.info("adapter evicted from sampler: slot_%d", slot_id)
+            log.info("adapter evicted from sampler: slot_%d", slot_id,
+                     extra={"event": "adapter_evicted", "slot": f"slot_{slot_id}"})
 
     # ---- generation -----------------------------------------------------------------------------------------------
     def _run_batch(self, requests: list[tuple[AdapterRef | None, SampleJob, OnToken | None]]

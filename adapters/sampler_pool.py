@@ -16,6 +16,7 @@ import ray
 
 from adapters.actors import call_actor, ray_node, stream_actor
 from adapters.base_models import BaseModelSpec
+from adapters.logs import configure_logging
 from adapters.sampler import AdapterRef, SamplerFacts
 from shims.sampling_wire import SampleJob, SampleResult, TokenEvent
 
@@ -43,7 +44,7 @@ class SamplerActor:
     concurrent requests reach the backend together (which is what lets it batch them)."""
 
     def __init__(self, location: str, placement: SamplerPlacement) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging()
         if placement.backend == "vllm":
             from adapters.vllm_sampler import VLLMSampler
 

@@ -95,7 +95,8 @@ class VLLMSampler:
                 slot_id = slot.slot_id
                 for evicted in slot.evicted:
                     await self.engine.remove_lora(evicted)
-                    log.info("adapter evicted from vLLM sampler: lora id %d", evicted)
+                    log.info("adapter evicted from vLLM sampler: lora id %d", evicted,
+                             extra={"event": "adapter_evicted", "slot": evicted})
                 # The name is unique per load: vLLM's prefix cache keys on it, and KV computed with older weights
                 # under the same key must never be reused for newer ones.
                 lora = LoRARequest(f"{adapter.key}#{slot_id}", slot_id, adapter.directory)

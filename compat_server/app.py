@@ -10,6 +10,7 @@ from litestar import Litestar, Request, Response
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
+from compat_server import telemetry
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
 from compat_server.openai_routes import OPENAI_ROUTER
@@ -71,8 +72,10 @@ def create_app(config: ServerConfig) -> Litestar:
     def provide_services(request: Request) -> Services:
         return request.app.state.services
 
+    plugins = [telemetry.litestar_plugin()] if telemetry.setup(config.otlp_endpoint) else []
     return Litestar(
         route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER],
+        plugins=plugins,
         on_startup=[startup],
         on_shutdown=[shutdown],
         dependencies={"services": Provide(provide_services, sync_to_thread=False), "owner": Provide(provide_owner)},

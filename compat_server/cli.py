@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from adapters.logs import ENV as LOG_FORMAT_ENV
+from adapters.logs import configure_logging
 from adapters.tiny_model import TINY_MODEL_NAME
 from compat_server.config import ServerConfig, default_data_dir
 
@@ -136,6 +138,49 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default=d.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log verbosity (default: %(default)s)")
+    parser.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
+                        help="text: one readable line per event; json: one JSON object per line, lifecycle events "
+                             "with their facts as fields (default: %(default)s)")
+    parser.add_argument("--otlp-endpoint", default=d.otlp_endpoint, metavar="URL",
+                        help="send OpenTelemetry traces and metrics over OTLP/HTTP to this collector, e.g. "
+                             "http://localhost:4318 (default: off, unless the standard OTEL_EXPORTER_OTLP_ENDPOINT "
+                             "is set)")
+    return _defaults_from_environment(parser)
+
+
+ENV_PREFIX = "COMPAT_SERVER_"
+
+
+class _AppendReplacingDefault(argparse._AppendAction):
+    """A repeatable option whose default came from the environment: given on the command line, it replaces that
+    default instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, None)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _defaults_from_environment(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every option can also be set by an environment variable, ``--max-body-mb`` by ``COMPAT_SERVER_MAX_BODY_MB``
+    (for containers). A flag takes 1/true/yes/on; a repeatable option takes a comma-separated list. The command
+    line wins over the environment."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        name = ENV_PREFIX + action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+        action.help = f"{action.help} [env {name}]"
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        elif isinstance(action, argparse._AppendAction):
+            convert = action.type or str
+            action.default = [convert(item.strip()) for item in value.split(",") if item.strip()]
+            action.__class__ = _AppendReplacingDefault
+        else:
+            action.default = value  # argparse converts a string default with the option's type
     return parser
 
 
@@ -212,7 +257,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         download_url_ttl=args.download_url_ttl,
         auth=args.auth, allow_open_auth=args.allow_open_auth, poll_hold_seconds=args.poll_hold_seconds,
         seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
-        log_level=args.log_level,
+        log_level=args.log_level, log_format=args.log_format, otlp_endpoint=args.otlp_endpoint,
     )
 
 
@@ -233,8 +278,11 @@ def serve(config: ServerConfig) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             host = f"[{config.host}]" if ":" in config.host else config.host
-            log.info("compat-server ready at http://%s:%d — base models: %s — data: %s — auth: %s", host,
-                     config.port, ", ".join(config.base_models), config.data_dir, config.auth_mode)
+            url = f"http://{host}:{config.port}"
+            log.info("compat-server ready at %s — base models: %s — data: %s — auth: %s", url,
+                     ", ".join(config.base_models), config.data_dir, config.auth_mode,
+                     extra={"event": "ready", "url": url, "base_models": config.base_models,
+                            "auth": config.auth_mode})
         await task
 
     asyncio.run(run())
@@ -250,8 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "keys":
         sys.exit(manage_keys(args))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    os.environ[LOG_FORMAT_ENV] = args.log_format  # the Ray actors log in the same format
+    configure_logging(args.log_level, args.log_format)
     # Quiet third-party progress bars in the server and in the Ray workers it starts (they inherit the environment).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

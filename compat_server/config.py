@@ -68,6 +68,9 @@ class ServerConfig:
     max_body_mb: int = 64
     access_log: bool = False
     log_level: str = "INFO"
+    log_format: str = "text"
+    otlp_endpoint: str | None = None
+    """OpenTelemetry collector (OTLP/HTTP) base URL; unset, the standard OTEL_EXPORTER_OTLP_* variables decide."""
 
     def validate(self) -> None:
         """Refuse option values the server could not run with, naming the option."""

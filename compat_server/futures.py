@@ -16,6 +16,7 @@ import numpy as np
 
 from compat_server.quotas import KeyQuota
 from compat_server.records import Records
+from compat_server.telemetry import FUTURE_DURATION, FUTURES_FINISHED
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
@@ -55,7 +56,7 @@ class FutureHub:
         self.quota = quota or KeyQuota(None)
         self._events: dict[str, asyncio.Event] = {}
         self._owners: dict[str, str] = {}
-        self._started: dict[str, float] = {}
+        self._started: dict[str, tuple[float, str]] = {}
         self.completion = LatencyWindow()
         """Submit to result, per future: what a client waits in all."""
         self.polls = LatencyWindow()
@@ -81,24 +82,27 @@ class FutureHub:
             raise
         self._events[request_id] = asyncio.Event()
         self._owners[request_id] = owner
-        self._started[request_id] = time.perf_counter()
+        self._started[request_id] = (time.perf_counter(), kind)
         return request_id, True
 
     def complete(self, request_id: str, payload: Payload) -> None:
         self.records.finish_future(request_id, media_type=payload.media_type, result=payload.body)
-        self._wake(request_id)
+        self._wake(request_id, {"state": "complete"})
 
     def fail(self, request_id: str, message: str, category: str) -> None:
         self.records.fail_future(request_id, error=message, category=category)
-        self._wake(request_id)
+        self._wake(request_id, {"state": "failed", "category": category})
 
-    def _wake(self, request_id: str) -> None:
+    def _wake(self, request_id: str, outcome: dict[str, str]) -> None:
         owner = self._owners.pop(request_id, None)
         if owner is not None:
             self.quota.release(owner)
         started = self._started.pop(request_id, None)
         if started is not None:
-            self.completion.add(time.perf_counter() - started)
+            seconds, kind = time.perf_counter() - started[0], started[1]
+            self.completion.add(seconds)
+            FUTURES_FINISHED.add(1, {"kind": kind, **outcome})
+            FUTURE_DURATION.record(seconds, {"kind": kind})
         event = self._events.pop(request_id, None)
         if event is not None:
             event.set()
@@ -116,6 +120,10 @@ class FutureHub:
             row = self.records.future(request_id, owner)
         self.polls.add(time.perf_counter() - started)
         return row
+
+    def pending_by_state(self) -> dict[str, int]:
+        """Unfinished futures (the telemetry gauge); queued ones are also counted by the scheduler's queue depth."""
+        return {"pending": len(self._owners)}
 
     def latency(self) -> dict:
         return {"completion": self.completion.summary(), "retrieve_future": self.polls.summary()}

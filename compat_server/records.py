@@ -13,6 +13,8 @@ from typing import Any
 import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
+from compat_server.telemetry import RESIDENT_ADAPTERS, traced
+
 SCHEMA_VERSION = 1
 
 _LIVE = "(expires_at is null or expires_at > ?)"
@@ -69,6 +71,11 @@ class Records:
                                pk="id", if_not_exists=True)
         db["telemetry"].create({"id": int, "owner": str, "session_id": str, "events": int, "received": str},
                                pk="id", if_not_exists=True)
+        db["steps"].create({
+            "id": int, "model_id": str, "seq_id": int, "kind": str, "loss_fn": str, "metrics": str, "num_tokens": int,
+            "tokens_per_s": float, "created": str,
+        }, pk="id", if_not_exists=True)
+        db["steps"].create_index(["model_id", "id"], if_not_exists=True)
         db["futures"].create_index(["owner", "idempotency_key"], if_not_exists=True)
         db["models"].create_index(["owner"], if_not_exists=True)
         db["checkpoints"].create_index(["training_run_id"], if_not_exists=True)
@@ -111,6 +118,7 @@ class Records:
         self.db["telemetry"].insert({"owner": owner, "session_id": session_id, "events": events, "received": now()})
 
     # ---- models (training runs) -----------------------------------------------------------------------------------
+    @traced("records.create_model")
     def create_model(self, model_id: str, *, session_id: str, owner: str, base_model: str, lora: dict[str, Any],
                      user_metadata: dict[str, Any] | None) -> None:
         stamp = now()
@@ -119,15 +127,34 @@ class Records:
             "lora_rank": lora["rank"], "lora_config": json.dumps(lora), "status": "active", "created": stamp,
             "last_request": stamp, "user_metadata": json.dumps(user_metadata or {}),
         }, replace=True)
+        RESIDENT_ADAPTERS.add(1)
 
     def model(self, model_id: str, owner: str) -> dict | None:
         return self._owned("models", model_id, owner)
 
+    @traced("records.set_model_status")
     def set_model_status(self, model_id: str, status: str) -> None:
+        was = self.db["models"].get(model_id)["status"]
         self.db["models"].update(model_id, {"status": status, "last_request": now()})
+        RESIDENT_ADAPTERS.add((status == "active") - (was == "active"))
 
     def set_model_lora(self, model_id: str, lora: dict[str, Any]) -> None:
         self.db["models"].update(model_id, {"lora_rank": lora["rank"], "lora_config": json.dumps(lora)})
+
+    # ---- training steps (for the dashboard's loss curves) ---------------------------------------------------------
+    @traced("records.add_step")
+    def add_step(self, model_id: str, *, seq_id: int, kind: str, loss_fn: str, metrics: dict[str, float],
+                 num_tokens: int, tokens_per_s: float) -> None:
+        self.db["steps"].insert({"model_id": model_id, "seq_id": seq_id, "kind": kind, "loss_fn": loss_fn,
+                                 "metrics": json.dumps(metrics), "num_tokens": num_tokens,
+                                 "tokens_per_s": tokens_per_s, "created": now()})
+
+    def steps(self, model_id: str, limit: int) -> list[dict]:
+        """The run's latest ``limit`` forward / forward_backward steps, oldest first, metrics decoded."""
+        rows = list(self.db["steps"].rows_where("model_id = ?", [model_id], order_by="id desc", limit=limit))
+        for row in rows:
+            row["metrics"] = json.loads(row["metrics"])
+        return rows[::-1]
 
     def recover_after_restart(self) -> tuple[int, int]:
         """At start-up nothing runs yet and the trainers are empty: every pending future was abandoned by a previous
@@ -143,6 +170,7 @@ class Records:
         return futures, models
 
     # ---- futures --------------------------------------------------------------------------------------------------
+    @traced("records.create_future")
     def create_future(self, request_id: str, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
                       idempotency_key: str | None) -> None:
         self.db["futures"].insert({
@@ -154,18 +182,22 @@ class Records:
         rows = list(self.db["futures"].rows_where("owner = ? and idempotency_key = ?", [owner, key], limit=1))
         return rows[0] if rows else None
 
+    @traced("records.finish_future")
     def finish_future(self, request_id: str, *, media_type: str, result: bytes) -> None:
         self.db["futures"].update(request_id, {"state": "complete", "finished": now(), "media_type": media_type,
                                                "result": result})
 
+    @traced("records.fail_future")
     def fail_future(self, request_id: str, *, error: str, category: str) -> None:
         self.db["futures"].update(request_id, {"state": "failed", "finished": now(), "error": error,
                                                "category": category})
 
+    @traced("records.future")
     def future(self, request_id: str, owner: str) -> dict | None:
         return self._owned("futures", request_id, owner)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
+    @traced("records.add_checkpoint")
     def add_checkpoint(self, tinker_path: str, *, training_run_id: str, checkpoint_id: str, kind: str, owner: str,
                        base_model: str, size_bytes: int, expires_at: str | None,
                        user_metadata: dict[str, str] | None) -> None:

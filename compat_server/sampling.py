@@ -29,6 +29,7 @@ from compat_server.futures import PROTOBUF, Payload
 from compat_server.records import Records
 from compat_server.scheduler import Scheduler
 from compat_server.stability import StabilityStore
+from compat_server.telemetry import TOKENS_SAMPLED, tracer
 from shims.errors import NotFound, UserError
 from shims.sampling_wire import (
     SampleJob,
@@ -297,7 +298,8 @@ class SamplingService:
 
     async def run_job(self, base_model: str, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         """Sample ``job`` on the pool, counting it in the metrics."""
-        with self.stats[base_model].running():
+        with self.stats[base_model].running(), tracer.start_as_current_span("sampler.sample", attributes={
+                "compat_server.base_model": base_model, "compat_server.num_samples": job.num_samples}):
             result = await self.samplers.sample(base_model, adapter, job)
         self._count(base_model, adapter, job, result)
         return result
@@ -305,7 +307,8 @@ class SamplingService:
     async def stream_job(self, base_model: str, adapter: AdapterRef | None,
                          job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
         """``run_job``, yielding lists of tokens as they are sampled before the result."""
-        with self.stats[base_model].running():
+        with self.stats[base_model].running(), tracer.start_as_current_span("sampler.stream", attributes={
+                "compat_server.base_model": base_model, "compat_server.num_samples": job.num_samples}):
             async for item in self.samplers.stream(base_model, adapter, job):
                 if isinstance(item, SampleResult):
                     self._count(base_model, adapter, job, item)
@@ -314,7 +317,9 @@ class SamplingService:
     def _count(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, result: SampleResult) -> None:
         stats = self.stats[base_model]
         stats.sequences += len(result.sequences)
-        stats.sampled_tokens += sum(len(s.tokens) for s in result.sequences)
+        sampled = sum(len(s.tokens) for s in result.sequences)
+        stats.sampled_tokens += sampled
+        TOKENS_SAMPLED.add(sampled, {"base_model": base_model})
         stats.prompt_tokens += len(job.prompt)
         self._maybe_probe(base_model, adapter, job, result)
 

@@ -13,9 +13,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, StatusCode
+
 from adapters.trainer import StepRequest, StepResult
 from adapters.trainer_pool import TrainerPool
 from compat_server.futures import FutureHub, Payload
+from compat_server.telemetry import ids, tracer
 from shims.errors import UserError
 
 log = logging.getLogger("compat_server.scheduler")
@@ -24,9 +28,29 @@ Job = Callable[[], Awaitable[Payload]]
 
 
 @dataclass
+class _Queued:
+    """A job waiting for its turn, with the trace context of the request that submitted it: its spans (the wait,
+    then the work) belong to that request's trace even though they run after the HTTP answer went out."""
+
+    request_id: str
+    kind: str
+    job: Job
+    context: otel_context.Context
+    attributes: dict
+    queued: Span
+
+    @classmethod
+    def start(cls, request_id: str, kind: str, job: Job, model_id: str | None, seq_id: int | None) -> _Queued:
+        context = otel_context.get_current()
+        attributes = ids(model_id, request_id, seq_id, kind)
+        span = tracer.start_span("queue", context=context, attributes=attributes)
+        return cls(request_id, kind, job, context, attributes, span)
+
+
+@dataclass
 class _Lane:
     next_seq: int = 1
-    waiting: dict[int, tuple[str, Job]] = field(default_factory=dict)
+    waiting: dict[int, _Queued] = field(default_factory=dict)
     skipped: list[range] = field(default_factory=list)
     """Numbers passed over by the gap timeout: if one turns up late after all, it still runs. Kept as ranges: a
     client may jump far ahead (seq_id 2**62), and the numbers in between must not be listed one by one."""
@@ -58,21 +82,23 @@ class Scheduler:
         """
         lane = self._lanes.setdefault(model_id, _Lane()) if model_id is not None and seq_id is not None else None
         if lane is not None and seq_id in lane.waiting:
-            return lane.waiting[seq_id][0]  # the same turn resubmitted (a retry with a fresh idempotency key)
+            return lane.waiting[seq_id].request_id  # the same turn resubmitted (a retry with a fresh idempotency key)
         request_id, created = self.hub.create(owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
                                               idempotency_key=idempotency_key)
         if not created:
             return request_id
+        queued = _Queued.start(request_id, kind, job, model_id, seq_id)
         if lane is None:
-            self._spawn(self._run(request_id, kind, job))
+            self._spawn(self._run(queued))
             return request_id
         if seq_id < lane.next_seq:
             if not lane.was_skipped(seq_id):
                 self.hub.fail(request_id, f"seq_id {seq_id} of model {model_id} was already used; the next "
                                           f"expected is {lane.next_seq}", "user")
+                queued.queued.end()
                 return request_id
             lane.late.add(seq_id)
-        lane.waiting[seq_id] = (request_id, job)
+        lane.waiting[seq_id] = queued
         lane.arrived.set()
         if lane.runner is None or lane.runner.done():
             lane.runner = self._spawn(self._drain(model_id, lane))
@@ -102,20 +128,30 @@ class Scheduler:
                     lane.skipped.append(range(lane.next_seq, seq))
                     log.warning("model %s: seq_id %d never arrived after %.0fs; continuing at %d", model_id,
                                 lane.next_seq, self.gap_timeout, seq)
-            request_id, job = lane.waiting.pop(seq)
+            queued = lane.waiting.pop(seq)
             lane.next_seq = max(lane.next_seq, seq + 1)
-            await self._run(request_id, f"seq {seq}", job)
+            await self._run(queued)
 
-    async def _run(self, request_id: str, what: str, job: Job) -> None:
-        try:
-            payload = await job()
-        except UserError as exc:
-            self.hub.fail(request_id, str(exc), "user")
-        except Exception as exc:
-            log.exception("request %s (%s) failed", request_id, what)
-            self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
-        else:
-            self.hub.complete(request_id, payload)
+    async def _run(self, queued: _Queued) -> None:
+        queued.queued.end()
+        request_id = queued.request_id
+        with tracer.start_as_current_span(queued.kind, context=queued.context,
+                                          attributes=queued.attributes) as span:
+            try:
+                payload = await queued.job()
+            except UserError as exc:
+                span.set_attribute("compat_server.error", str(exc))
+                self.hub.fail(request_id, str(exc), "user")
+            except Exception as exc:
+                log.exception("request %s (%s) failed", request_id, queued.kind)
+                span.set_status(StatusCode.ERROR, str(exc))
+                self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
+            else:
+                self.hub.complete(request_id, payload)
+
+    def queue_depth(self) -> int:
+        """Jobs waiting for their turn in a model's order (the telemetry's queue depth)."""
+        return sum(len(lane.waiting) for lane in self._lanes.values())
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -125,8 +161,11 @@ class Scheduler:
 
     async def forward_backward(self, base_model: str, request: StepRequest) -> StepResult:
         """A forward / forward_backward, batched with other runs' waiting requests on the same base model."""
-        return await self.trainers.forward_backward(base_model, request)
+        with tracer.start_as_current_span("trainer.forward_backward", attributes=ids(request.model_id)):
+            return await self.trainers.forward_backward(base_model, request)
 
     async def trainer(self, base_model: str, method: str, *args, **kwargs):
         """Call the base model's trainer actor."""
-        return await self.trainers.call(base_model, method, *args, **kwargs)
+        model_id = args[0] if args and isinstance(args[0], str) else None
+        with tracer.start_as_current_span(f"trainer.{method}", attributes=ids(model_id)):
+            return await self.trainers.call(base_model, method, *args, **kwargs)

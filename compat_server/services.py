@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import signal
+import threading
 from dataclasses import dataclass, field
 
 import ray
@@ -25,6 +26,7 @@ from compat_server.records import Records
 from compat_server.runs import RunsService
 from compat_server.sampling import SamplingOptions, SamplingService
 from compat_server.scheduler import Scheduler
+from compat_server.telemetry import observe
 from compat_server.training import TrainingService
 
 log = logging.getLogger("compat_server")
@@ -59,6 +61,9 @@ def _start_ray(config: ServerConfig) -> None:
     """Join or start Ray. Ray installs a SIGTERM handler that exits the process at once; the server's own (uvicorn's
     graceful shutdown) is put back so a terminated server still finishes its requests and stops Ray cleanly."""
     if ray.is_initialized():
+        return
+    if threading.current_thread() is not threading.main_thread():  # embedded (e.g. tests): signals are not ours
+        _init_ray(config)
         return
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -124,6 +129,7 @@ async def start_services(config: ServerConfig) -> Services:
     quota = KeyQuota(config.max_pending_per_key)
     hub = FutureHub(records, quota)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
+    observe(hub.pending_by_state, scheduler.queue_depth)
     checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
     if checkpoints.abandoned:
         log.warning("deleted %d half-written checkpoints left by the previous server process", checkpoints.abandoned)

@@ -22,6 +22,7 @@ from compat_server.futures import JSON, PROTOBUF, Payload
 from compat_server.records import Records
 from compat_server.sampling import SamplingService
 from compat_server.scheduler import Scheduler
+from compat_server.telemetry import TOKENS_TRAINED
 from shims.errors import NotFound, UserError
 from shims.training_wire import ForwardBackwardBatch, encode_forward_backward_output
 
@@ -171,7 +172,9 @@ class TrainingService:
                 await self.scheduler.trainer(base.name, "create", model_id, spec)
                 self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
                                           lora=asdict(spec), user_metadata=req.user_metadata)
-            log.info("model created: %s on %s (LoRA rank %d)", model_id, base.name, spec.rank)
+            log.info("model created: %s on %s (LoRA rank %d)", model_id, base.name, spec.rank,
+                     extra={"event": "model_created", "model_id": model_id, "base_model": base.name,
+                            "lora_rank": spec.rank})
             return json_payload(types.CreateModelResponse(model_id=model_id))
 
         return self._future(self.scheduler.submit(owner=owner, kind="create_model", job=job,
@@ -212,9 +215,15 @@ class TrainingService:
             data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
             result = await self.scheduler.forward_backward(row["base_model"], StepRequest(
                 batch.model_id, data, batch.loss_fn, batch.loss_fn_config, batch.forward_only))
+            speed = result.num_tokens / max(result.seconds, 1e-9)
+            TOKENS_TRAINED.add(result.num_tokens, {"base_model": row["base_model"], "kind": kind})
+            self.records.add_step(batch.model_id, seq_id=batch.seq_id, kind=kind, loss_fn=batch.loss_fn,
+                                  metrics=result.metrics, num_tokens=result.num_tokens, tokens_per_s=speed)
             log.info("%s done: %s seq %d, %s %s, %d tokens, %.0f tokens/s", kind, batch.model_id, batch.seq_id,
                      batch.loss_fn, " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()), result.num_tokens,
-                     result.num_tokens / max(result.seconds, 1e-9))
+                     speed, extra={"event": f"{kind}_done", "model_id": batch.model_id, "seq_id": batch.seq_id,
+                                   "loss_fn": batch.loss_fn, "metrics": result.metrics,
+                                   "tokens": result.num_tokens, "tokens_per_s": round(speed, 1)})
             return Payload(PROTOBUF, encode_forward_backward_output(result.outputs, result.metrics))
 
         return self._ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
@@ -226,7 +235,9 @@ class TrainingService:
             hyper = AdamHyper(**req.optim_params.model_dump())
             metrics = await self.scheduler.trainer(row["base_model"], "optim_step", req.model_id, hyper)
             log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
-                     hyper.learning_rate, metrics["grad_norm"])
+                     hyper.learning_rate, metrics["grad_norm"],
+                     extra={"event": "optim_step_done", "model_id": req.model_id, "step": int(metrics["step"]),
+                            "learning_rate": hyper.learning_rate, "grad_norm": metrics["grad_norm"]})
             return json_payload(types.OptimStepResponse(metrics=metrics))
 
         return self._ordered(owner, "optim_step", req.model_id, req.seq_id, idem, job)
@@ -249,7 +260,8 @@ class TrainingService:
         self.records.add_checkpoint(path, training_run_id=model_id, checkpoint_id=parse_path(path).checkpoint_id,
                                     kind=kind, owner=owner, base_model=row["base_model"], size_bytes=size,
                                     expires_at=expires, user_metadata=user_metadata)
-        log.info("checkpoint saved: %s (%d bytes)", path, size)
+        log.info("checkpoint saved: %s (%d bytes)", path, size,
+                 extra={"event": "checkpoint_saved", "model_id": model_id, "path": path, "bytes": size})
         return path
 
     def save_weights(self, owner: str, req: types.SaveWeightsRequest, idem: str | None) -> dict:
@@ -335,7 +347,9 @@ class TrainingService:
                 spec: LoraSpec = await self._load(base.name, model_id, req.path, req.optimizer)
                 self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
                                           lora=asdict(spec), user_metadata=req.user_metadata)
-            log.info("model created from %s: %s on %s", req.path, model_id, base.name)
+            log.info("model created from %s: %s on %s", req.path, model_id, base.name,
+                     extra={"event": "model_created", "model_id": model_id, "base_model": base.name,
+                            "from_checkpoint": req.path})
             return json_payload(types.LoadWeightsResponse(path=req.path, model_id=model_id, type="load_weights"))
 
         return self._future(self.scheduler.submit(owner=owner, kind="load_weights", job=job,
