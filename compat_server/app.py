@@ -13,6 +13,7 @@ from litestar.exceptions import HTTPException, SerializationException, Validatio
 from compat_server import telemetry
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
+from compat_server.dashboard_routes import DASHBOARD_ROUTES
 from compat_server.openai_routes import OPENAI_ROUTER
 from compat_server.quotas import TooManyRequests
 from compat_server.services import Services, start_services
@@ -74,7 +75,7 @@ def create_app(config: ServerConfig) -> Litestar:
 
     plugins = [telemetry.litestar_plugin()] if telemetry.setup(config.otlp_endpoint) else []
     return Litestar(
-        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER],
+        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER, *DASHBOARD_ROUTES],
         plugins=plugins,
         on_startup=[startup],
         on_shutdown=[shutdown],

@@ -253,6 +253,15 @@ class Records:
         return [row["id"] for row in self.db["sessions"].rows_where(
             "owner = ?", [owner], order_by="created, id", limit=limit, offset=offset, select="id")]
 
+    def recent_sessions(self, owner: str, limit: int) -> list[dict]:
+        return list(self.db["sessions"].rows_where("owner = ?", [owner], order_by="created desc", limit=limit))
+
+    def recent_failures(self, owner: str, limit: int) -> list[dict]:
+        """The owner's latest failed futures (the dashboard's recent errors)."""
+        return list(self.db["futures"].rows_where(
+            "owner = ? AND state = 'failed'", [owner], order_by="finished desc", limit=limit,
+            select="request_id, model_id, kind, finished, error, category"))
+
     def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
         """(training run ids, sampler ids) created in a session."""
         runs = [r["id"] for r in self.db["models"].rows_where("session_id = ?", [session_id], order_by="created",
