@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="manage API keys for --auth keys: create, list, revoke")
     keys.add_argument("--data-dir", type=Path, default=default_data_dir(),
                       help="the server's data directory (default: %(default)s)")
+    _defaults_from_environment(keys)
     actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
     create = actions.add_parser("create", help="make a new key and print it once (only its hash is stored)")
     create.add_argument("--name", required=True, help="a unique name to list and revoke the key by")
