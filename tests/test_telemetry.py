@@ -163,3 +163,57 @@ def test_json_logs_carry_each_lifecycle_event_with_its_facts(model_cache, tmp_pa
     assert step["tokens"] == 3 and step["tokens_per_s"] > 0
     assert events["optim_step_done"]["step"] == 1
     assert events["checkpoint_saved"]["path"] == path and events["checkpoint_saved"]["bytes"] > 0
+
+
+def test_with_an_otlp_endpoint_the_server_exports_traces_and_metrics_over_http(model_cache, tmp_path):
+    """The real server process with --otlp-endpoint, and a small OTLP/HTTP receiver standing in for a collector."""
+    import gzip
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tests.server import start_server
+
+    received: dict[str, list[bytes]] = {"/v1/traces": [], "/v1/metrics": []}
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            received.setdefault(self.path, []).append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    collector = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    server = start_server(tmp_path / "data", "--otlp-endpoint", f"http://127.0.0.1:{collector.server_port}")
+    try:
+        service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-otlp")
+        client = service.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+        train(client, make_datum([3, 4], [5, 6]), 1)
+        service.close("success")
+    finally:
+        server.stop()  # a clean exit flushes the batched spans and the last metrics
+        collector.shutdown()
+
+    spans, resources = set(), set()
+    for body in received["/v1/traces"]:
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            resources.update(a.value.string_value for a in resource_spans.resource.attributes
+                             if a.key == "service.name")
+            spans.update(s.name for scope in resource_spans.scope_spans for s in scope.spans)
+    assert resources == {"compat-server"}
+    assert {"forward_backward", "queue", "trainer.forward_backward", "records.add_step"} <= spans
+    assert any(name.startswith("POST /api/v1/forward_backward") for name in spans)
+    names = {metric.name for body in received["/v1/metrics"]
+             for resource_metrics in ExportMetricsServiceRequest.FromString(body).resource_metrics
+             for scope in resource_metrics.scope_metrics for metric in scope.metrics}
+    assert {"compat_server.tokens.trained", "compat_server.futures.finished", "compat_server.queue.depth"} <= names
