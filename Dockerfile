@@ -13,8 +13,10 @@
 #     docker exec CONTAINER compat-server keys create --name me
 # or run without keys on a trusted network: -e COMPAT_SERVER_AUTH=open -e COMPAT_SERVER_ALLOW_OPEN_AUTH=1.
 #
-# Build arguments: BASE (a Debian bookworm image), TORCH_INDEX_URL (where the CPU torch wheel comes from; empty to
-# use PIP_FIND_LINKS or the default index only), PIP_FIND_LINKS (a directory of local wheels, mounted at build time).
+# Build arguments: BASE (a Debian bookworm image); TORCH_INDEX_URL (where the CPU torch wheel comes from; empty to use
+# WHEELS_DIR or the default index only); WHEELS_DIR (a directory of local wheels mounted at build time, e.g.
+# `--volume /opt/wheels:/wheels:ro --build-arg WHEELS_DIR=/wheels`); CA_BUNDLE (a CA file mounted at build time, for
+# networks whose HTTPS proxy re-signs certificates).
 
 ARG BASE=debian:bookworm-slim
 
@@ -27,7 +29,8 @@ RUN apt-get update \
 # ---- build: a virtualenv with the project and its dependencies -------------------------------------------------------
 FROM python AS build-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG PIP_FIND_LINKS=
+ARG WHEELS_DIR=
+ARG CA_BUNDLE=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 COPY pyproject.toml README.md /src/
@@ -36,12 +39,17 @@ COPY shims /src/shims
 COPY adapters /src/adapters
 COPY contract /src/contract
 # torch first and alone: the pinned CPU build, not the multi-GB CUDA one a plain index would give.
-RUN /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==2.13.0" \
-    && /opt/venv/bin/pip install /src \
-    && /opt/venv/bin/pip check \
-    && find /opt/venv -name __pycache__ -prune -exec rm -rf {} +
+# (Set through the environment so that pip's build-isolation subprocesses see them too.)
+RUN set -e; \
+    if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
+    if [ -n "$WHEELS_DIR" ]; then export PIP_FIND_LINKS="$WHEELS_DIR"; fi; \
+    /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==2.13.0"; \
+    /opt/venv/bin/pip install /src; \
+    /opt/venv/bin/pip check; \
+    find /opt/venv -name __pycache__ -prune -exec rm -rf {} +
 
 FROM python AS build-gpu
+ARG CA_BUNDLE=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 COPY pyproject.toml README.md /src/
@@ -49,7 +57,10 @@ COPY compat_server /src/compat_server
 COPY shims /src/shims
 COPY adapters /src/adapters
 COPY contract /src/contract
-RUN /opt/venv/bin/pip install "/src[gpu]" && /opt/venv/bin/pip check
+RUN set -e; \
+    if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
+    /opt/venv/bin/pip install "/src[gpu]"; \
+    /opt/venv/bin/pip check
 
 # ---- runtime: the virtualenv, a non-root user, the data volume ---------------------------------------------------------
 FROM python AS runtime
@@ -64,8 +75,9 @@ ENV PATH=/opt/venv/bin:$PATH \
 VOLUME /data
 EXPOSE 8000
 USER compat
+# (Change the port with COMPAT_SERVER_PORT rather than --port, so that the health check follows it.)
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/api/v1/healthz', timeout=4)"]
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/api/v1/healthz' % os.environ['COMPAT_SERVER_PORT'], timeout=4)"]
 ENTRYPOINT ["compat-server", "serve"]
 
 FROM runtime AS gpu

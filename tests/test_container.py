@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "localhost/compat-server-debian:bookworm"
 IMAGE = "localhost/compat-server:test"
 WHEELS = Path("/opt/wheels")
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -60,8 +61,10 @@ def image():
     args = ["build", "--format", "docker", "--network", "host", "--runtime", "runc", "--target", "cpu",
             "--build-arg", f"BASE={BASE_IMAGE}", "-t", IMAGE]
     if local_torch:  # this machine has the CPU wheel but cannot reach download.pytorch.org
-        args += ["--volume", f"{WHEELS}:/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/wheels",
+        args += ["--volume", f"{WHEELS}:/wheels:ro", "--build-arg", "WHEELS_DIR=/wheels",
                  "--build-arg", "TORCH_INDEX_URL="]
+    if HOST_CA.is_file():  # the host's CA bundle, which trusts any HTTPS proxy between here and the registry
+        args += ["--volume", f"{HOST_CA}:/etc/host-ca.crt:ro", "--build-arg", "CA_BUNDLE=/etc/host-ca.crt"]
     started = time.monotonic()
     built = podman(*args, str(ROOT), timeout=2400, check=False)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
@@ -120,7 +123,7 @@ def test_the_image_serves_the_tinker_and_openai_sdks_as_a_non_root_user_and_keep
         # The data volume outlives the container: a new one lists the same checkpoint.
         podman("stop", "-t", "30", name, timeout=90)
         run_container()
-        rest = tinker.ServiceClient(base_url=url, api_key=key).create_rest_client()
+        rest = tinker.RestClient(base_url=url, api_key=key)
         listed = rest.list_user_checkpoints().result()
         assert path in [c.tinker_path for c in listed.checkpoints]
     finally:
