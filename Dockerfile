@@ -27,10 +27,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # ---- build: a virtualenv with the project and its dependencies -------------------------------------------------------
-FROM python AS build-cpu
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG WHEELS_DIR=
-ARG CA_BUNDLE=
+FROM python AS source
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 COPY pyproject.toml README.md /src/
@@ -38,6 +35,11 @@ COPY compat_server /src/compat_server
 COPY shims /src/shims
 COPY adapters /src/adapters
 COPY contract /src/contract
+
+FROM source AS build-cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG WHEELS_DIR=
+ARG CA_BUNDLE=
 # torch first and alone: the pinned CPU build, not the multi-GB CUDA one a plain index would give.
 # (Set through the environment so that pip's build-isolation subprocesses see them too.)
 RUN set -e; \
@@ -48,15 +50,8 @@ RUN set -e; \
     /opt/venv/bin/pip check; \
     find /opt/venv -name __pycache__ -prune -exec rm -rf {} +
 
-FROM python AS build-gpu
+FROM source AS build-gpu
 ARG CA_BUNDLE=
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python3 -m venv /opt/venv
-COPY pyproject.toml README.md /src/
-COPY compat_server /src/compat_server
-COPY shims /src/shims
-COPY adapters /src/adapters
-COPY contract /src/contract
 RUN set -e; \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
     /opt/venv/bin/pip install "/src[gpu]"; \
