@@ -1,8 +1,8 @@
 """The Docker image, built and run with podman on this machine, driven by the real tinker and openai SDKs.
 
 No Docker daemon or image registry is reachable here, so the Debian base image is made with debootstrap and imported,
-and the CPU torch wheel comes from this machine's wheel directory when there is one. Building takes about ten
-minutes, so this test runs only when asked: ``.ci/container`` installs podman and debootstrap and runs it
+and the CPU torch wheel comes from this machine's wheel directory when there is one. The job takes about eight
+minutes on 2 cores, so this test runs only when asked: ``.ci/container`` installs podman and debootstrap and runs it
 (``COMPAT_SERVER_CONTAINER_TEST=1``).
 """
 
@@ -26,7 +26,7 @@ from tests.server import free_port
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("COMPAT_SERVER_CONTAINER_TEST") != "1" or shutil.which("podman") is None,
-    reason="building the image takes ~10 minutes: run .ci/container (installs podman and debootstrap, then runs "
+    reason="building and running the image takes ~8 minutes: run .ci/container (installs podman and debootstrap, then runs "
            "this test with COMPAT_SERVER_CONTAINER_TEST=1)")
 
 ROOT = Path(__file__).resolve().parent.parent
