@@ -70,8 +70,9 @@ def setup(endpoint: str | None) -> bool:
     tracer_provider = TracerProvider(resource=resource)
     tracer_provider.add_span_processor(BatchSpanProcessor(spans))
     trace.set_tracer_provider(tracer_provider)
+    # Export intervals follow the standard OTEL_BSP_SCHEDULE_DELAY and OTEL_METRIC_EXPORT_INTERVAL (5 s and 60 s).
     metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[
-        PeriodicExportingMetricReader(measures, export_interval_millis=10_000)]))
+        PeriodicExportingMetricReader(measures)]))
     log.info("OpenTelemetry on: traces and metrics go to %s", endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
     return True
 

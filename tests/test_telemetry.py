@@ -193,27 +193,39 @@ def test_with_an_otlp_endpoint_the_server_exports_traces_and_metrics_over_http(m
 
     collector = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
-    server = start_server(tmp_path / "data", "--otlp-endpoint", f"http://127.0.0.1:{collector.server_port}")
+    def exported() -> tuple[set[str], set[str], set[str]]:
+        spans, resources = set(), set()
+        for body in list(received["/v1/traces"]):
+            for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+                resources.update(a.value.string_value for a in resource_spans.resource.attributes
+                                 if a.key == "service.name")
+                spans.update(s.name for scope in resource_spans.scope_spans for s in scope.spans)
+        names = {metric.name for body in list(received["/v1/metrics"])
+                 for resource_metrics in ExportMetricsServiceRequest.FromString(body).resource_metrics
+                 for scope in resource_metrics.scope_metrics for metric in scope.metrics}
+        return spans, resources, names
+
+    wanted_spans = {"forward_backward", "queue", "trainer.forward_backward", "records.add_step"}
+    wanted_metrics = {"compat_server.tokens.trained", "compat_server.futures.finished", "compat_server.queue.depth"}
+    # The standard OTEL_* intervals, shortened: spans are batched for 0.5 s, metrics exported every second.
+    server = start_server(tmp_path / "data", "--otlp-endpoint", f"http://127.0.0.1:{collector.server_port}",
+                          env={"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
     try:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-otlp")
         client = service.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
         train(client, make_datum([3, 4], [5, 6]), 1)
         service.close("success")
+        deadline = time.monotonic() + 60  # exported while the server runs, not only when it exits
+        while True:
+            spans, resources, names = exported()
+            if wanted_spans <= spans and wanted_metrics <= names or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     finally:
-        server.stop()  # a clean exit flushes the batched spans and the last metrics
+        server.stop()
         collector.shutdown()
 
-    spans, resources = set(), set()
-    for body in received["/v1/traces"]:
-        request = ExportTraceServiceRequest.FromString(body)
-        for resource_spans in request.resource_spans:
-            resources.update(a.value.string_value for a in resource_spans.resource.attributes
-                             if a.key == "service.name")
-            spans.update(s.name for scope in resource_spans.scope_spans for s in scope.spans)
     assert resources == {"compat-server"}
-    assert {"forward_backward", "queue", "trainer.forward_backward", "records.add_step"} <= spans
+    assert wanted_spans <= spans
     assert any(name.startswith("POST /api/v1/forward_backward") for name in spans)
-    names = {metric.name for body in received["/v1/metrics"]
-             for resource_metrics in ExportMetricsServiceRequest.FromString(body).resource_metrics
-             for scope in resource_metrics.scope_metrics for metric in scope.metrics}
-    assert {"compat_server.tokens.trained", "compat_server.futures.finished", "compat_server.queue.depth"} <= names
+    assert wanted_metrics <= names
