@@ -105,7 +105,9 @@ class CompletionsService:
             from transformers import AutoTokenizer
 
             spec = self.base_models[base_model]
-            self._vocabs[base_model] = Vocabulary(AutoTokenizer.from_pretrained(spec.tokenizer_id))
+            # From where the server loads the model: ``tokenizer_id`` is the name given to clients, which for the
+            # built-in model would send the hub library looking for it online first.
+            self._vocabs[base_model] = Vocabulary(AutoTokenizer.from_pretrained(spec.location))
         return self._vocabs[base_model]
 
     # ---- models ---------------------------------------------------------------------------------------------------

@@ -51,3 +51,22 @@ def test_tiny_model_builds_deterministically_with_a_real_chat_tokenizer(tiny_mod
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token == "<|im_end|>" and len(tok) == config.vocab_size
+
+
+def test_the_built_in_model_never_sends_the_server_to_the_hub(model_cache, tmp_path):
+    """Without HF_HUB_OFFLINE (as a user would run it), nothing the server does for the built-in model asks the
+    Hugging Face hub: no network is needed, and none is tried (here it would mean half a minute of retries)."""
+    import openai
+
+    from tests.helpers import BASE_MODEL
+    from tests.server import start_server
+
+    server = start_server(tmp_path / "data", env={"HF_HUB_OFFLINE": "0"})
+    try:
+        chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-offline")
+        reply = chat.chat.completions.create(model=BASE_MODEL, max_tokens=3,
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.completion_tokens > 0
+    finally:
+        server.stop()
+    assert "huggingface.co" not in server.log()
