@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 TINY_MODEL_NAME = "compat-server/tiny-qwen3"
@@ -119,24 +120,35 @@ def ensure_tiny_model(cache_root: Path | None = None) -> Path:
     target = root / "models" / f"tiny-qwen3-v{BUILD_VERSION}"
     if (target / "model.safetensors").exists():
         return target
-    root.joinpath("models").mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=root / "models"))
-    os.chmod(staging, 0o755)
-    try:
+
+    def build(staging: Path) -> None:
         build_tokenizer(staging)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(staging))
         build_model(staging, len(tok), tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"))
         (staging / "compat_server_build.json").write_text(json.dumps({"name": TINY_MODEL_NAME, "version": BUILD_VERSION}))
+
+    _publish_directory(target, "model.safetensors", build)
+    return target
+
+
+def _publish_directory(target: Path, marker: str, fill: Callable[[Path], None]) -> None:
+    """Fill a private staging directory beside ``target`` and rename it into place. Processes racing to publish the
+    same directory each stage their own copy: the first rename wins, the others (finding ``marker`` in the winner's
+    copy) discard theirs."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        fill(staging)
+        os.chmod(staging, 0o755)
         try:
             os.rename(staging, target)
         except OSError:
-            if not (target / "model.safetensors").exists():
+            if not (target / marker).exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def install_in_hf_cache(directory: Path, repo_id: str) -> Path:
@@ -159,19 +171,11 @@ def install_in_hf_cache(directory: Path, repo_id: str) -> Path:
     repo = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / revision
     if not (snapshot / "config.json").exists():
-        snapshot.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=snapshot.parent))
-        try:
+        def copy(staging: Path) -> None:
             for file in files:
                 shutil.copy2(file, staging / file.name)
-            os.chmod(staging, 0o755)
-            try:
-                os.rename(staging, snapshot)
-            except OSError:
-                if not (snapshot / "config.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+
+        _publish_directory(snapshot, "config.json", copy)
     refs = repo / "refs"
     refs.mkdir(parents=True, exist_ok=True)
     ref = refs / f".main-{os.getpid()}"

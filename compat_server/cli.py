@@ -69,8 +69,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="most training runs (LoRA adapters) held at once per base model (default: %(default)s)")
     parser.add_argument("--max-adapters-per-key", type=int, default=d.max_adapters_per_key,
                         help="most training runs one API key may have loaded at once, over all base models; "
-                             "unload one (or let its session end) to create another; lower it on a server shared by many people "
-                             "(default: %(default)s)")
+                             "unload one (or let its session end) to create another; lower it on a server shared by "
+                             "many people (default: %(default)s)")
     parser.add_argument("--max-pending-per-key", type=int, default=d.max_pending_per_key,
                         help="most unfinished requests one API key may have: queued or running Tinker requests and "
                              "OpenAI completions together; beyond it requests get 429 with Retry-After, which the "
