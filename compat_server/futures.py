@@ -55,8 +55,8 @@ class FutureHub:
         self.records = records
         self.quota = quota or KeyQuota(None)
         self._events: dict[str, asyncio.Event] = {}
-        self._owners: dict[str, str] = {}
-        self._started: dict[str, tuple[float, str]] = {}
+        self._open: dict[str, tuple[str, str, float]] = {}
+        """Unfinished futures created by this process: owner, kind, and when they were submitted."""
         self.completion = LatencyWindow()
         """Submit to result, per future: what a client waits in all."""
         self.polls = LatencyWindow()
@@ -81,8 +81,7 @@ class FutureHub:
             self.quota.release(owner)
             raise
         self._events[request_id] = asyncio.Event()
-        self._owners[request_id] = owner
-        self._started[request_id] = (time.perf_counter(), kind)
+        self._open[request_id] = (owner, kind, time.perf_counter())
         return request_id, True
 
     def complete(self, request_id: str, payload: Payload) -> None:
@@ -94,12 +93,11 @@ class FutureHub:
         self._wake(request_id, {"state": "failed", "category": category})
 
     def _wake(self, request_id: str, outcome: dict[str, str]) -> None:
-        owner = self._owners.pop(request_id, None)
-        if owner is not None:
+        opened = self._open.pop(request_id, None)
+        if opened is not None:
+            owner, kind, submitted = opened
             self.quota.release(owner)
-        started = self._started.pop(request_id, None)
-        if started is not None:
-            seconds, kind = time.perf_counter() - started[0], started[1]
+            seconds = time.perf_counter() - submitted
             self.completion.add(seconds)
             FUTURES_FINISHED.add(1, {"kind": kind, **outcome})
             FUTURE_DURATION.record(seconds, {"kind": kind})
@@ -123,7 +121,7 @@ class FutureHub:
 
     def pending_by_state(self) -> dict[str, int]:
         """Unfinished futures (the telemetry gauge); queued ones are also counted by the scheduler's queue depth."""
-        return {"pending": len(self._owners)}
+        return {"pending": len(self._open)}
 
     def latency(self) -> dict:
         return {"completion": self.completion.summary(), "retrieve_future": self.polls.summary()}
