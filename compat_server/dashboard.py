@@ -30,7 +30,7 @@ async def dashboard(records: Records, sampling: SamplingService, owner: str) -> 
             "steps": [{"seq_id": step["seq_id"], "kind": step["kind"], "loss_fn": step["loss_fn"],
                        "loss": loss_of(step["metrics"]), "tokens": step["num_tokens"],
                        "tokens_per_s": step["tokens_per_s"], "time": step["created"]}
-                      for step in records.steps(run["id"], STEPS_PER_RUN) if step["kind"] == "forward_backward"],
+                      for step in records.steps(run["id"], "forward_backward", STEPS_PER_RUN)],
         } for run in runs],
         "checkpoints": {"total": total_checkpoints, "latest": [
             {"tinker_path": c["tinker_path"], "kind": c["kind"], "size_bytes": c["size_bytes"],

@@ -149,9 +149,10 @@ class Records:
                                  "metrics": json.dumps(metrics), "num_tokens": num_tokens,
                                  "tokens_per_s": tokens_per_s, "created": now()})
 
-    def steps(self, model_id: str, limit: int) -> list[dict]:
-        """The run's latest ``limit`` forward / forward_backward steps, oldest first, metrics decoded."""
-        rows = list(self.db["steps"].rows_where("model_id = ?", [model_id], order_by="id desc", limit=limit))
+    def steps(self, model_id: str, kind: str, limit: int) -> list[dict]:
+        """The run's latest ``limit`` steps of ``kind`` (forward or forward_backward), oldest first, metrics decoded."""
+        rows = list(self.db["steps"].rows_where("model_id = ? AND kind = ?", [model_id, kind], order_by="id desc",
+                                                limit=limit))
         for row in rows:
             row["metrics"] = json.loads(row["metrics"])
         return rows[::-1]
