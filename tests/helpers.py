@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -12,6 +15,28 @@ from tinker import types
 
 BASE_MODEL = "compat-server/tiny-qwen3"
 ADAM = types.AdamParams(learning_rate=1e-3)
+
+
+def poll_future(url: str, request_id: str, key: str, deadline_s: float = 120) -> dict | bytes:
+    """Poll a future to its end over raw HTTP, as the SDK does: its JSON body, or the protobuf bytes of a
+    forward / forward_backward result."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        answer = httpx.post(f"{url}/api/v1/retrieve_future", headers={"X-API-Key": key}, timeout=60,
+                            json={"request_id": request_id})
+        assert answer.status_code == 200, answer.text
+        if answer.headers["content-type"].startswith("application/x-protobuf"):
+            return answer.content
+        body = answer.json()
+        if body.get("type") != "try_again":
+            return body
+        assert time.monotonic() < deadline, f"future {request_id} did not finish"
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` (relative path → SHA-256): to show that nothing stored changed."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def expect_user_error(future, *fragments: str) -> None:

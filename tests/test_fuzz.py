@@ -9,10 +9,6 @@ example counts (about a minute and a half on 2 cores).
 
 from __future__ import annotations
 
-import hashlib
-import time
-from pathlib import Path
-
 import httpx
 import numpy as np
 import pytest
@@ -31,7 +27,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from shims.losses import LOSSES
 from shims.openai_wire import ChatRequest, CompletionRequest
-from tests.helpers import BASE_MODEL, forward_logprobs, make_datum, train
+from tests.helpers import BASE_MODEL, forward_logprobs, make_datum, poll_future, train, tree_digest
 from tests.server import start_server
 
 pytestmark = pytest.mark.soak
@@ -66,8 +62,7 @@ def stored(fuzz_server):
 def _snapshot(server, stored) -> dict:
     """What is stored: checkpoint files (hashed), listings, and the run's current weights (as logprobs)."""
     client, datum = stored
-    files = {str(p.relative_to(server.data_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted(Path(server.data_dir, "checkpoints").rglob("*")) if p.is_file()}
+    files = tree_digest(server.data_dir / "checkpoints")
     listing = httpx.get(f"{server.base_url}/api/v1/checkpoints", headers=HEADERS).json()
     runs = httpx.get(f"{server.base_url}/api/v1/training_runs", headers=HEADERS).json()["training_runs"]
     for run in runs:
@@ -220,21 +215,7 @@ def _raw_model(url: str) -> str:
     created = httpx.post(f"{url}/api/v1/create_model", headers=HEADERS, json={
         "session_id": session["session_id"], "model_seq_id": 0, "base_model": BASE_MODEL,
         "lora_config": {"rank": 2}}).json()
-    return _finish(url, created["request_id"])["model_id"]
-
-
-def _finish(url: str, request_id: str, deadline_s: float = 120) -> dict:
-    deadline = time.monotonic() + deadline_s
-    while True:
-        answer = httpx.post(f"{url}/api/v1/retrieve_future", headers=HEADERS, timeout=60,
-                            json={"request_id": request_id})
-        assert answer.status_code == 200, answer.text
-        if not answer.headers["content-type"].startswith("application/json"):
-            return {"protobuf": answer.content}
-        body = answer.json()
-        if body.get("type") != "try_again":
-            return body
-        assert time.monotonic() < deadline, f"future {request_id} did not finish"
+    return poll_future(url, created["request_id"], KEY)["model_id"]
 
 
 @pytest.mark.timeout(900)
@@ -259,8 +240,8 @@ def test_hypothesis_protobuf_bodies_are_refused_or_run_never_a_server_error(fuzz
         if response.status_code != 200:
             outcomes["refused"] = outcomes.get("refused", 0) + 1
             return response.status_code
-        result = _finish(url, response.json()["request_id"])
-        if "protobuf" in result:
+        result = poll_future(url, response.json()["request_id"], KEY)
+        if isinstance(result, bytes):
             outcomes["ran"] = outcomes.get("ran", 0) + 1
         else:
             assert result["category"] == "user", result  # never a server error

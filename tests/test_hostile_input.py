@@ -4,21 +4,14 @@ checkpoint store, and the checkpoint that was there is unchanged. (The property-
 
 from __future__ import annotations
 
-import hashlib
-
 import httpx
 import openai
 import pytest
 import tinker
 
-from tests.helpers import BASE_MODEL, checkpoint_dir, make_datum, train
+from tests.helpers import BASE_MODEL, checkpoint_dir, make_datum, train, tree_digest
 
 NAMES = ["../escape", "a/b", "..", ".", "bad\x00name", "x" * 300, "-leading-dash", "sp ace"]
-
-
-def _tree_digest(directory) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +24,13 @@ def saved(service_client):
 def test_checkpoint_names_that_leave_their_directory_are_refused(saved, server):
     client, good = saved
     run_dir = checkpoint_dir(server.data_dir, good).parent.parent
-    before = _tree_digest(run_dir)
+    before = tree_digest(run_dir)
     for name in NAMES:
         for save in (client.save_state, client.save_weights_for_sampler):
             with pytest.raises(tinker.RequestFailedError, match="invalid checkpoint name") as failure:
                 save(name).result()
             assert failure.value.category == tinker.types.RequestErrorCategory.User
-    assert _tree_digest(run_dir) == before
+    assert tree_digest(run_dir) == before
     assert not list(server.data_dir.parent.glob("escape*"))  # nothing landed beside the data directory either
     assert client.save_state("still-fine").result().path.endswith("/weights/still-fine")
 
@@ -49,7 +42,7 @@ def test_tinker_paths_that_leave_their_directory_are_refused_everywhere(saved, s
             f"tinker://{run}/weights/%2e%2e", f"tinker://{run}/weights/..", "file:///etc/passwd",
             f"tinker://{run}/sampler_weights/../weights/good"]
     before = checkpoint_dir(server.data_dir, good)
-    digest = _tree_digest(before)
+    digest = tree_digest(before)
     headers = {"X-API-Key": "tml-test-main"}
     chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main", max_retries=0)
     for path in evil:
@@ -65,6 +58,6 @@ def test_tinker_paths_that_leave_their_directory_are_refused_everywhere(saved, s
             chat.chat.completions.create(model=path, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         info = httpx.post(f"{server.base_url}/api/v1/weights_info", headers=headers, json={"tinker_path": path})
         assert info.status_code in (400, 404) and info.json()["category"] == "user", (path, info.text)
-    assert _tree_digest(before) == digest
+    assert tree_digest(before) == digest
     resumed = service_client.create_training_client_from_state(good).result()  # the real one still loads
     train(resumed, make_datum([3, 4], [5, 6]), 1)

@@ -20,7 +20,7 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from tests.helpers import ADAM, BASE_MODEL, forward_logprobs, make_datum, train
+from tests.helpers import ADAM, BASE_MODEL, forward_logprobs, make_datum, poll_future, train
 from tests.server import start_server
 
 KEY = "tml-test-crash"
@@ -105,15 +105,7 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
 
 
 def _result(url: str, request_id: str, key: str = KEY) -> dict | bytes:
-    """Poll a future to its end over raw HTTP, as the SDK does."""
-    while True:
-        answer = httpx.post(f"{url}/api/v1/retrieve_future", headers={"X-API-Key": key}, timeout=60,
-                            json={"request_id": request_id})
-        if answer.headers["content-type"].startswith("application/x-protobuf"):
-            return answer.content
-        body = answer.json()
-        if body.get("type") != "try_again":
-            return body
+    return poll_future(url, request_id, key)
 
 
 @pytest.mark.timeout(300)
