@@ -163,11 +163,13 @@ def test_per_key_limits_refuse_clearly_and_both_sdks_retry(model_cache, tmp_path
             return httpx.post(f"{url}/api/v1/asample", headers={"X-API-Key": key}, json={
                 "num_samples": 1, "base_model": BASE_MODEL,
                 "sampling_params": {"max_tokens": max_tokens, "stop": []},
-                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}})
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}, timeout=60)
 
         def chat(key: str, max_tokens: int) -> httpx.Response:
+            # Answered once sampled, beside the two long requests on 2 busy cores: httpx's 5 s default is too short.
             return httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
-                "model": BASE_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
+                "model": BASE_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]},
+                timeout=60)
 
         running = [asample(KEY, 1500).json()["request_id"] for _ in range(2)]
         refused = asample(KEY, 2)
