@@ -27,8 +27,10 @@ def sequence_generators(job: SampleJob, fallback_seed: int) -> list[torch.Genera
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The sampling distribution over one row of logits: temperature, then top-k, then top-p (nucleus) filtering."""
-    scaled = logits.float() / temperature
+    """The sampling distribution over one row of logits: temperature, then top-k, then top-p (nucleus) filtering.
+    The most likely token always keeps its place, so no ``top_p`` (however small) leaves nothing to draw from."""
+    logits = logits.float()
+    scaled = (logits - logits.max()) / temperature  # shifted first: a small temperature cannot overflow to inf
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -36,7 +38,9 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # keep the smallest set reaching top_p
+        dropped = before >= top_p  # keep the smallest set reaching top_p
+        dropped[0] = False
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         probs = probs / probs.sum()
     return probs
@@ -54,10 +58,10 @@ def penalized(logits: torch.Tensor, job: SampleJob, previous: Sequence[int]) -> 
 
 def choose_token(logits: torch.Tensor, job: SampleJob, generator: torch.Generator,
                  previous: Sequence[int] = ()) -> int:
-    """Pick the next token from one row of logits: argmax at temperature 0, else a draw from ``filtered_probs``;
+    """Pick the next token from one row of logits: argmax when the job is greedy, else a draw from ``filtered_probs``;
     penalties (if any) first."""
     logits = penalized(logits, job, previous)
-    if job.temperature == 0:
+    if job.greedy:
         return int(torch.argmax(logits))
     probs = filtered_probs(logits, job.temperature, job.top_k, job.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -94,7 +98,7 @@ def score_prompt(logprobs: torch.Tensor, job: SampleJob, generator: torch.Genera
         scores.target_logprobs = torch.where(ids >= 0, gathered, 0.0).cpu().numpy()
     if job.prompt_alt_tokens_k:
         k = job.prompt_alt_tokens_k
-        if job.temperature == 0:
+        if job.greedy:
             draws = torch.argmax(logprobs, dim=-1, keepdim=True).expand(-1, k)
         else:
             probs = torch.softmax(logprobs.float() / job.temperature, dim=-1)

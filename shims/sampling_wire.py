@@ -39,6 +39,10 @@ class TargetIds:
     col: np.ndarray | None = None
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily, on every backend."""
+
+
 @dataclass(frozen=True)
 class SampleJob:
     """One sampling request, validated, in plain values: what every sampler backend receives."""
@@ -47,6 +51,7 @@ class SampleJob:
     num_samples: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
+    """Below ``GREEDY_TEMPERATURE`` sampling is greedy (see ``greedy``)."""
     top_k: int = 0
     """0 = no top-k filtering (the wire's -1 is normalised to 0)."""
     top_p: float = 1.0
@@ -79,6 +84,12 @@ class SampleJob:
         if self.prompt_logprobs_last_n is None:
             return 1
         return len(self.prompt) - self.prompt_logprobs_last_n
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this job takes the argmax. Dividing logits by a temperature this small overflows float32 and the
+        distribution it would give is the argmax anyway; vLLM draws the same line (its ``_SAMPLING_EPS``)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

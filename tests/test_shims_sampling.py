@@ -145,6 +145,27 @@ def test_filtered_probs_match_reference(temperature, top_k, top_p):
     np.testing.assert_allclose(got, reference_filter(logits.double().numpy(), temperature, top_k, top_p), atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-6, 9.9e-6])
+def test_a_vanishing_temperature_samples_greedily_instead_of_dividing_into_nan(temperature):
+    """Found by the fuzz run: temperature 1e-300 made the probabilities NaN and the sampler raised (a 500)."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3)) * 10
+    job = SampleJob(prompt=(1,), num_samples=2, temperature=temperature, prompt_alt_tokens_k=3)
+    best = int(np.argmax(logits.numpy()))
+    assert {choose_token(logits, job, g) for g in sequence_generators(job, 0)} == {best}
+    scores = score_prompt(torch.log_softmax(logits, dim=-1).unsqueeze(0), job, torch.Generator())
+    assert (scores.alt_tokens == best).all()
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1e-5, 1.0), (1e-4, 0.5), (2.0, 1e-300), (1.0, 1e-9)])
+def test_extreme_temperature_and_top_p_keep_a_valid_distribution(temperature, top_p):
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(4)) * 30
+    probs = filtered_probs(logits, temperature, 0, top_p)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
+    assert int(torch.argmax(probs)) == int(np.argmax(logits.numpy()))
+    if top_p < 1e-6:  # a nucleus smaller than any token's mass is the most likely token alone
+        assert float(probs.max()) == 1.0
+
+
 def test_choose_token_is_greedy_at_zero_and_reproducible_with_a_seed():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     greedy = SampleJob(prompt=(1,), temperature=0.0)
