@@ -42,7 +42,17 @@ async def call_actor(actor, method: str, what: str, *args, **kwargs):
 
 
 async def stream_actor(actor, method: str, what: str, *args) -> AsyncIterator:
-    """Iterate what the async-generator method ``actor.method(*args)`` yields, each item as soon as it is yielded."""
-    with _translated(what, method):
-        async for ref in getattr(actor, method).options(num_returns="streaming").remote(*args):
-            yield await ref
+    """Iterate what the async-generator method ``actor.method(*args)`` yields, each item as soon as it is yielded.
+    A consumer that stops early cancels the actor's generator (Ray would otherwise run it to its end)."""
+    import ray
+
+    generator = getattr(actor, method).options(num_returns="streaming").remote(*args)
+    finished = False
+    try:
+        with _translated(what, method):
+            async for ref in generator:
+                yield await ref
+        finished = True
+    finally:
+        if not finished:
+            ray.cancel(generator)

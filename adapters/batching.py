@@ -39,7 +39,10 @@ class Coalescer(Generic[Item, Result]):
         return len(self._pending)
 
     async def _drain(self) -> None:
-        while self._pending:
+        while True:
+            self._pending = [(item, future) for item, future in self._pending if not future.done()]  # callers gone
+            if not self._pending:
+                break
             count = max(1, min(self._take([item for item, _ in self._pending]), len(self._pending)))
             batch, self._pending = self._pending[:count], self._pending[count:]
             try:

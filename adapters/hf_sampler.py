@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,9 @@ class _Request:
     adapter: AdapterRef | None
     job: SampleJob
     on_token: OnToken | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    """Set when the caller stopped waiting (a streaming client went away): its rows leave the batch at the next
+    step instead of decoding to ``max_tokens``."""
 
 
 @dataclass
@@ -82,6 +86,8 @@ class TransformersSampler:
         self.peft = None
         self._batches = Coalescer(self._run_in_thread, self._batch_size)
         self.batches = 0
+        self.decoded_tokens = 0
+        """Every token decoded, including those of requests whose caller later went away."""
 
     def facts(self) -> SamplerFacts:
         return self._facts
@@ -90,7 +96,7 @@ class TransformersSampler:
         return self.adapters.keys()
 
     def stats(self) -> dict:
-        return {"batches": self.batches, "resident_adapters": self.resident()}
+        return {"batches": self.batches, "decoded_tokens": self.decoded_tokens, "resident_adapters": self.resident()}
 
     async def close(self) -> None:
         """Stop batching (requests still waiting fail as cancelled)."""
@@ -98,11 +104,17 @@ class TransformersSampler:
 
     # ---- request intake -------------------------------------------------------------------------------------------
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
-        """Requests waiting when the model becomes free run together as one batch, in a worker thread."""
-        return await self._batches.submit(_Request(adapter, job, on_token))
+        """Requests waiting when the model becomes free run together as one batch, in a worker thread. Cancelling
+        the call stops its sequences: still waiting, it never joins a batch; running, its rows leave the batch."""
+        request = _Request(adapter, job, on_token)
+        try:
+            return await self._batches.submit(request)
+        except asyncio.CancelledError:
+            request.cancelled.set()
+            raise
 
     async def _run_in_thread(self, batch: list[_Request]) -> list[SampleResult | Exception]:
-        return await asyncio.to_thread(self._run_batch, [(r.adapter, r.job, r.on_token) for r in batch])
+        return await asyncio.to_thread(self._run_batch, batch)
 
     def _batch_size(self, pending: list[_Request]) -> int:
         """How many of the oldest waiting requests fit one batch: up to ``max_batch_sequences`` rows, at most as many
@@ -153,14 +165,14 @@ class TransformersSampler:
                      extra={"event": "adapter_evicted", "slot": f"slot_{slot_id}"})
 
     # ---- generation -----------------------------------------------------------------------------------------------
-    def _run_batch(self, requests: list[tuple[AdapterRef | None, SampleJob, OnToken | None]]
-                   ) -> list[SampleResult | Exception]:
+    def _run_batch(self, requests: list[_Request]) -> list[SampleResult | Exception]:
         """Results in request order; a request whose adapter cannot be loaded gets its own error, and the others
         still run."""
         outcomes: list[SampleResult | Exception | None] = [None] * len(requests)
         runnable, names, held = [], [], []
         try:
-            for i, (ref, _, _) in enumerate(requests):
+            for i, request in enumerate(requests):
+                ref = request.adapter
                 if ref is None:
                     runnable.append(i)
                     names.append(BASE)
@@ -189,15 +201,15 @@ class TransformersSampler:
             return self.base(**kwargs)
         return self.peft(adapter_names=adapter_names, **kwargs)
 
-    def _generate(self, requests: list[tuple[AdapterRef | None, SampleJob, OnToken | None]],
-                  names: list[str]) -> list[SampleResult]:
+    def _generate(self, requests: list[_Request], names: list[str]) -> list[SampleResult]:
         rows: list[_Row] = []
-        for request, ((_, job, _), name) in enumerate(zip(requests, names)):
-            for index, generator in enumerate(sequence_generators(job, secrets.randbits(62))):
-                rows.append(_Row(request, index, name, generator,
-                                 StopMatcher(job, self.eos_ids, self.tokenizer.decode)))
-        jobs = [job for _, job, _ in requests]
-        listeners = [on_token for _, _, on_token in requests]
+        for number, (request, name) in enumerate(zip(requests, names)):
+            for index, generator in enumerate(sequence_generators(request.job, secrets.randbits(62))):
+                rows.append(_Row(number, index, name, generator,
+                                 StopMatcher(request.job, self.eos_ids, self.tokenizer.decode)))
+        jobs = [request.job for request in requests]
+        listeners = [request.on_token for request in requests]
+        cancels = [request.cancelled for request in requests]
         longest = max(len(jobs[r.request].prompt) for r in rows)
         ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), longest), dtype=torch.long)
@@ -231,9 +243,14 @@ class TransformersSampler:
             step_tokens = []
             for slot, r in enumerate(active):
                 row, job = rows[r], jobs[rows[r].request]
+                if cancels[row.request].is_set():
+                    row.stop_reason = "cancelled"
+                    step_tokens.append(self.pad_id)  # never fed: the row leaves the batch below
+                    continue
                 logprobs = torch.log_softmax(last[slot].float(), dim=-1)
                 token = choose_token(last[slot], job, row.generator, row.tokens)
                 row.tokens.append(token)
+                self.decoded_tokens += 1
                 row.logprobs.append(float(logprobs[token]))
                 if job.topk_sample_logprobs:
                     row.topk.append(top_k(logprobs.unsqueeze(0), job.topk_sample_logprobs))

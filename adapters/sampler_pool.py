@@ -89,8 +89,8 @@ class SamplerActor:
                     break
             yield task.result()
         finally:
-            if not task.done():  # the consumer went away: the request still finishes, its result is dropped
-                task.add_done_callback(lambda t: t.exception())
+            if not task.done():  # the consumer went away: stop sampling for it
+                task.cancel()
 
 
 @dataclass

@@ -33,6 +33,29 @@ def test_requests_waiting_during_a_batch_run_together_in_the_next():
     assert isinstance(results[3], ValueError)  # one item's failure is its own
 
 
+def test_a_caller_that_stopped_waiting_never_joins_a_batch():
+    batches: list[list[int]] = []
+
+    async def run(items: list[int]) -> list:
+        batches.append(items)
+        await asyncio.sleep(0.05)
+        return [i * 10 for i in items]
+
+    async def main():
+        coalescer = Coalescer(run, lambda pending: 10)
+        first = asyncio.create_task(coalescer.submit(0))
+        await asyncio.sleep(0.01)  # batch [0] is running; the next three wait
+        waiting = [asyncio.create_task(coalescer.submit(i)) for i in (1, 2, 3)]
+        await asyncio.sleep(0)
+        waiting[1].cancel()
+        return await asyncio.gather(first, *waiting, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert batches == [[0], [1, 3]]
+    assert results[0] == 0 and results[1] == 10 and results[3] == 30
+    assert isinstance(results[2], asyncio.CancelledError)
+
+
 def _request(tokens: int) -> StepRequest:
     return StepRequest("m", [DatumArrays(tokens=np.zeros(tokens, dtype=np.int64))], "cross_entropy", {}, False)
 

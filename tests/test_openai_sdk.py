@@ -4,6 +4,7 @@ an adapter trained in the same test session by the real ``tinker`` SDK."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import numpy as np
@@ -78,6 +79,40 @@ def test_streaming_is_incremental_and_matches_the_whole_response(oai, adapter_pa
         finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
         assert [c.choices[0].finish_reason for c in finals] == [whole.choices[0].finish_reason]
         assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def _decoded_tokens(server) -> int:
+    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    return sum(replica["decoded_tokens"] for replica in metrics["sampling"][BASE_MODEL]["replicas"])
+
+
+def _settled_decoded_tokens(server) -> int:
+    """The sampler's decoded-token count once it stops changing (the count while nothing runs)."""
+    last = _decoded_tokens(server)
+    for _ in range(120):
+        time.sleep(0.5)
+        now = _decoded_tokens(server)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the sampler is still decoding a minute later ({last} tokens)")
+
+
+def test_a_stream_closed_by_its_client_stops_sampling(server, oai):
+    """vLLM's server aborts a request whose client disconnects; so does this one, instead of decoding on to
+    ``max_tokens`` for nobody."""
+    request = {"model": BASE_MODEL, "prompt": "Once upon a time", "temperature": 0}
+    premise = oai.completions.create(max_tokens=300, **request)
+    assert premise.choices[0].finish_reason == "length"  # greedy decoding runs past 300 tokens without an EOS
+    before = _settled_decoded_tokens(server)
+    stream = oai.completions.create(max_tokens=1500, stream=True, **request)
+    first = next(iter(stream))
+    assert first.choices[0].text is not None
+    stream.close()
+    decoded = _settled_decoded_tokens(server) - before
+    assert 1 <= decoded < 300, f"{decoded} tokens were decoded for a stream read once and closed"
+    again = oai.completions.create(max_tokens=5, **request)
+    assert again.choices[0].text == premise.choices[0].text[:len(again.choices[0].text)]  # still serving
 
 
 def test_n_logprobs_and_seeds(oai, service_client):

@@ -156,6 +156,32 @@ def test_seeded_samples_do_not_depend_on_batch_company(make_sampler):
     assert [s.tokens for s in alone.sequences] == [s.tokens for s in together.sequences]
 
 
+def test_a_cancelled_request_stops_decoding_and_its_batch_company_finishes(make_sampler):
+    if make_sampler.backend != "transformers":
+        pytest.skip("decoded_tokens is the transformers sampler's own counter (vLLM aborts a cancelled request itself)")
+    sampler = make_sampler()
+    long = SampleJob(prompt=PROMPT, max_tokens=1500, stop_at_eos=False, seed=1)
+    short = SampleJob(prompt=PROMPT, max_tokens=40, stop_at_eos=False, seed=2)
+    alone = run(sampler.sample(None, short)).sequences[0].tokens
+
+    async def cancel_after_first_token():
+        loop, started = asyncio.get_running_loop(), asyncio.Event()
+        abandoned = asyncio.create_task(sampler.sample(None, long, lambda _: loop.call_soon_threadsafe(started.set)))
+        company = asyncio.create_task(sampler.sample(None, short))  # queued with it: the same batch
+        await started.wait()
+        abandoned.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+        return await company
+
+    before, batches = sampler.decoded_tokens, sampler.batches
+    company = run(cancel_after_first_token())
+    assert sampler.batches == batches + 1
+    assert company.sequences[0].tokens == alone
+    decoded = sampler.decoded_tokens - before
+    assert len(alone) < decoded < len(alone) + 200, f"{decoded} tokens decoded"  # not 1,540
+
+
 def test_pool_routes_an_adapter_to_the_replica_that_holds_it():
     """Routing only (no actors): affinity wins unless that replica is much busier than the least busy one."""
     from adapters.sampler_pool import SamplerPlacement, SamplerPool, _BaseReplicas, _Replica
