@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
+import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from shims.errors import UserError
@@ -12,8 +14,6 @@ from shims.errors import UserError
 
 def ray_node() -> str:
     """The Ray node this process runs on ("" outside Ray), for placement reports."""
-    import ray
-
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
@@ -44,15 +44,11 @@ async def call_actor(actor, method: str, what: str, *args, **kwargs):
 async def stream_actor(actor, method: str, what: str, *args) -> AsyncIterator:
     """Iterate what the async-generator method ``actor.method(*args)`` yields, each item as soon as it is yielded.
     A consumer that stops early cancels the actor's generator (Ray would otherwise run it to its end)."""
-    import ray
-
     generator = getattr(actor, method).options(num_returns="streaming").remote(*args)
-    finished = False
     try:
         with _translated(what, method):
             async for ref in generator:
                 yield await ref
-        finished = True
-    finally:
-        if not finished:
-            ray.cancel(generator)
+    except (GeneratorExit, asyncio.CancelledError):
+        ray.cancel(generator)
+        raise
