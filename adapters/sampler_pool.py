@@ -178,6 +178,18 @@ class SamplerPool:
                          for r, s in zip(base.replicas, stats)]
         return out
 
+    def resident_counts(self, timeout: float = 5.0) -> dict[str, int]:
+        """Adapters resident per base model, over all its replicas. Blocking: for a metrics reader's thread, never
+        the event loop. A base whose replicas do not answer in ``timeout`` is left out rather than guessed."""
+        asked = {name: [r.actor.stats.remote() for r in base.replicas] for name, base in list(self.bases.items())}
+        counts = {}
+        for name, refs in asked.items():
+            try:
+                counts[name] = sum(len(stats["resident_adapters"]) for stats in ray.get(refs, timeout=timeout))
+            except ray.exceptions.RayError:
+                log.debug("samplers of %s did not report their resident adapters", name)
+        return counts
+
     def stop(self) -> None:
         for base in self.bases.values():
             for replica in base.replicas:

@@ -129,7 +129,7 @@ async def start_services(config: ServerConfig) -> Services:
     quota = KeyQuota(config.max_pending_per_key)
     hub = FutureHub(records, quota)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
-    observe(hub.pending_by_state, scheduler.queue_depth)
+    observe(hub.pending_by_state, scheduler.queue_depth, samplers.resident_counts)
     checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
     if checkpoints.abandoned:
         log.warning("deleted %d half-written checkpoints left by the previous server process", checkpoints.abandoned)

@@ -34,6 +34,7 @@ TOKENS_SAMPLED = meter.create_counter(
     "compat_server.tokens.sampled", unit="{token}", description="tokens sampled, Tinker and OpenAI routes together")
 RESIDENT_ADAPTERS = meter.create_up_down_counter(
     "compat_server.adapters.resident", unit="{adapter}", description="training runs loaded in the trainers")
+"""Its sampler-side twin, ``compat_server.sampler.adapters.resident``, is an observable gauge (see ``observe``)."""
 
 OTLP_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
 
@@ -84,8 +85,10 @@ def litestar_plugin():
     return OpenTelemetryPlugin(OpenTelemetryConfig(exclude=["/api/v1/healthz"]))
 
 
-def observe(pending_by_state: Callable[[], dict[str, int]], queue_depth: Callable[[], int]) -> None:
-    """Gauges read when metrics are collected: futures by state and jobs waiting in queues (in memory, cheap)."""
+def observe(pending_by_state: Callable[[], dict[str, int]], queue_depth: Callable[[], int],
+            sampler_residents: Callable[[], dict[str, int]]) -> None:
+    """Gauges read when metrics are collected (in the reader's thread): futures by state and jobs waiting in queues
+    (in memory, cheap), and adapters resident in the samplers per base model (asked of the sampler actors)."""
 
     def futures(_: CallbackOptions) -> Iterable[Observation]:
         return [Observation(count, {"state": state}) for state, count in pending_by_state().items()]
@@ -93,6 +96,11 @@ def observe(pending_by_state: Callable[[], dict[str, int]], queue_depth: Callabl
     def queued(_: CallbackOptions) -> Iterable[Observation]:
         return [Observation(queue_depth())]
 
+    def residents(_: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(count, {"base_model": base}) for base, count in sampler_residents().items()]
+
+    meter.create_observable_gauge("compat_server.sampler.adapters.resident", callbacks=[residents], unit="{adapter}",
+                                  description="LoRA adapters loaded in the samplers, by base model")
     meter.create_observable_gauge("compat_server.futures", callbacks=[futures], unit="{future}",
                                   description="futures not yet finished, by state (queued or running)")
     meter.create_observable_gauge("compat_server.queue.depth", callbacks=[queued], unit="{job}",

@@ -74,7 +74,7 @@ def test_each_request_is_one_trace_with_queue_work_and_records_spans(otel_server
     datum = make_datum([3, 4, 5], [6, 7])
     train(client, datum, 2)
     client.save_state("traced").result()
-    sampler = service.create_sampling_client(base_model=BASE_MODEL).result()
+    sampler = client.save_weights_and_get_sampling_client().result()  # its adapter becomes resident
     sampler.sample(types.ModelInput.from_ints([3, 4]), 2, types.SamplingParams(max_tokens=5, stop=[])).result()
     chat = openai.OpenAI(base_url=f"{url}/v1", api_key="tml-test-otel")
     reply = chat.chat.completions.create(model=BASE_MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
@@ -127,6 +127,8 @@ def test_each_request_is_one_trace_with_queue_work_and_records_spans(otel_server
     assert trained == 2 * len(datum.model_input.to_ints())
     assert sum(p.value for p in points["compat_server.tokens.sampled"]) == 2 * 5 + reply.usage.completion_tokens
     assert sum(p.value for p in points["compat_server.adapters.resident"]) == 1
+    assert [(p.attributes["base_model"], p.value) for p in points["compat_server.sampler.adapters.resident"]] == [
+        (BASE_MODEL, 1)]
     assert {p.attributes["state"] for p in points["compat_server.futures"]} == {"pending"}
     assert "compat_server.queue.depth" in points
     http = [name for name in points if name.startswith("http.server")]
