@@ -137,9 +137,9 @@ def test_each_request_is_one_trace_with_queue_work_and_records_spans(otel_server
 
 
 def test_json_logs_carry_each_lifecycle_event_with_its_facts(model_cache, tmp_path):
-    """--log-format json, set through its environment variable: the server's lines are JSON objects, and the
-    lifecycle events (ready, model created, step done with loss and tokens/s, checkpoint saved) have their own
-    fields."""
+    """--log-format json, set through its environment variable: every line the server prints is a JSON object (its
+    own, uvicorn's, Ray's, and its actors' as Ray forwards them), and the lifecycle events (ready, model created, step
+    done with loss and tokens/s, checkpoint saved, adapter loaded in a sampler actor) have their own fields."""
     import json
 
     from tests.server import start_server
@@ -150,10 +150,12 @@ def test_json_logs_carry_each_lifecycle_event_with_its_facts(model_cache, tmp_pa
         client = service.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
         train(client, make_datum([3, 4], [5, 6]), 1)
         path = client.save_state("logged").result().path
+        sampler = client.save_weights_and_get_sampling_client().result()
+        sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2)).result()
         service.close("success")
     finally:
         server.stop()
-    entries = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    entries = [json.loads(line) for line in server.log().splitlines() if line.strip()]
     events = {}
     for entry in entries:
         assert {"time", "level", "logger", "message"} <= set(entry)
@@ -165,6 +167,8 @@ def test_json_logs_carry_each_lifecycle_event_with_its_facts(model_cache, tmp_pa
     assert step["tokens"] == 3 and step["tokens_per_s"] > 0
     assert events["optim_step_done"]["step"] == 1
     assert events["checkpoint_saved"]["path"] == path and events["checkpoint_saved"]["bytes"] > 0
+    loaded = events["adapter_loaded"]  # logged in the sampler actor, forwarded by Ray
+    assert loaded["pid"] != events["ready"]["pid"] and loaded["adapter"].startswith(client.model_id)
 
 
 def test_with_an_otlp_endpoint_the_server_exports_traces_and_metrics_over_http(model_cache, tmp_path):
