@@ -81,8 +81,10 @@ def test_the_image_serves_the_tinker_and_openai_sdks_as_a_non_root_user_and_keep
     name = f"compat-test-{uuid.uuid4().hex[:8]}"
 
     def run_container() -> None:
-        podman("run", "-d", "--rm", "--runtime", "runc", "--network", "host", "--shm-size", "1g", "--name", name,
-               "-v", f"{volume}:/data", "-e", f"COMPAT_SERVER_PORT={port}", "-e", "COMPAT_SERVER_RAY_NUM_CPUS=2",
+        # `docker run -p`: the image listens on its default port 8000, published on a free port of the host's loopback
+        # (slirp4netns, podman's user-space network: the bridge network needs firewall rights a CI box may lack).
+        podman("run", "-d", "--rm", "--runtime", "runc", "--network", "slirp4netns", "-p", f"127.0.0.1:{port}:8000",
+               "--shm-size", "1g", "--name", name, "-v", f"{volume}:/data", "-e", "COMPAT_SERVER_RAY_NUM_CPUS=2",
                image)
         deadline = time.monotonic() + 300
         while True:
