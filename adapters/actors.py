@@ -36,9 +36,15 @@ def _translated(what: str, method: str) -> Iterator[None]:
 
 
 async def call_actor(actor, method: str, what: str, *args, **kwargs):
-    """Await ``actor.method(*args)``."""
-    with _translated(what, method):
-        return await getattr(actor, method).remote(*args, **kwargs)
+    """Await ``actor.method(*args)``. A caller that stops waiting (its task cancelled) cancels the actor task too:
+    queued, it never runs; running in an async actor, it is cancelled there (a sampler drops the request)."""
+    ref = getattr(actor, method).remote(*args, **kwargs)
+    try:
+        with _translated(what, method):
+            return await ref
+    except asyncio.CancelledError:
+        ray.cancel(ref)
+        raise
 
 
 async def stream_actor(actor, method: str, what: str, *args) -> AsyncIterator:

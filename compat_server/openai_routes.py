@@ -6,7 +6,9 @@ SDK raises its own typed exceptions: 401 for a bad key, 404 for an unknown model
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
@@ -28,13 +30,41 @@ from shims.openai_wire import OpenAIError
 log = logging.getLogger("compat_server.openai")
 
 
+CLIENT_CLOSED = 499
+"""nginx's status for a request whose client went away before the answer; it is never seen by that client."""
+
+
 async def _answer(request: Request, services: Services, owner: str, chat: bool) -> Response | Stream:
     completions: CompletionsService = services.completions
     prepared = completions.prepare(owner, await request.json(), chat)
-    if prepared.stream:
+    if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
         return Stream(completions.stream(prepared), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return Response(await completions.complete(prepared))
+    answer = await _unless_disconnected(request, completions.complete(prepared))
+    if answer is None:
+        log.info("%s went away before its answer; its sampling was cancelled", prepared.id)
+        return Response(None, status_code=CLIENT_CLOSED)
+    return Response(answer)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | None:
+    """``work``'s result, or None after cancelling it if the client disconnects first (a timed-out SDK call, a
+    closed app): the samplers then stop decoding for nobody, as vLLM's server does."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":  # the body is read: only a disconnect comes
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
 
 
 @post("/chat/completions", status_code=200)

@@ -98,21 +98,47 @@ def _settled_decoded_tokens(server) -> int:
     raise AssertionError(f"the sampler is still decoding a minute later ({last} tokens)")
 
 
-def test_a_stream_closed_by_its_client_stops_sampling(server, oai):
+LONG = 2000
+"""Tokens of a long greedy completion: nearly the tiny model's whole context."""
+
+
+@pytest.fixture(scope="module")
+def long_request(oai) -> tuple[dict, float]:
+    """A request whose greedy completion runs to ``LONG`` tokens without an EOS, and how long that takes here, so
+    the abandonment tests can tell "stopped early" from "ran to the end" on a machine of any speed."""
+    request = {"model": BASE_MODEL, "prompt": "Once upon a time", "temperature": 0, "max_tokens": LONG}
+    started = time.monotonic()
+    whole = oai.completions.create(**request)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == LONG
+    return request, time.monotonic() - started
+
+
+def test_a_stream_closed_by_its_client_stops_sampling(server, oai, long_request):
     """vLLM's server aborts a request whose client disconnects; so does this one, instead of decoding on to
     ``max_tokens`` for nobody."""
-    request = {"model": BASE_MODEL, "prompt": "Once upon a time", "temperature": 0}
-    premise = oai.completions.create(max_tokens=300, **request)
-    assert premise.choices[0].finish_reason == "length"  # greedy decoding runs past 300 tokens without an EOS
+    request, _ = long_request
     before = _settled_decoded_tokens(server)
-    stream = oai.completions.create(max_tokens=1500, stream=True, **request)
+    stream = oai.completions.create(stream=True, **request)
     first = next(iter(stream))
     assert first.choices[0].text is not None
     stream.close()
     decoded = _settled_decoded_tokens(server) - before
-    assert 1 <= decoded < 300, f"{decoded} tokens were decoded for a stream read once and closed"
-    again = oai.completions.create(max_tokens=5, **request)
-    assert again.choices[0].text == premise.choices[0].text[:len(again.choices[0].text)]  # still serving
+    assert 1 <= decoded < LONG / 2, f"{decoded} of {LONG} tokens were decoded for a stream read once and closed"
+    again = oai.completions.create(**{**request, "max_tokens": 5})
+    assert again.choices[0].finish_reason == "length"  # the sampler still serves
+
+
+def test_a_whole_request_whose_client_gives_up_stops_sampling(server, long_request):
+    """A non-streamed request whose client times out (and closes its connection) is cancelled in the sampler too."""
+    request, whole_seconds = long_request
+    impatient = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main",
+                              timeout=whole_seconds / 5, max_retries=0)
+    before = _settled_decoded_tokens(server)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(**request)
+    decoded = _settled_decoded_tokens(server) - before
+    assert 1 <= decoded < LONG * 0.75, f"{decoded} of {LONG} tokens were decoded for a request abandoned early"
+    assert "went away before its answer" in server.log()
 
 
 def test_n_logprobs_and_seeds(oai, service_client):
