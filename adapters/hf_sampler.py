@@ -39,7 +39,7 @@ class _Request:
     job: SampleJob
     on_token: OnToken | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
-    """Set when the caller stopped waiting (a streaming client went away): its rows leave the batch at the next
+    """Set when the caller stopped waiting (its HTTP client went away): its rows leave the batch at the next
     step instead of decoding to ``max_tokens``."""
 
 
