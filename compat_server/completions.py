@@ -170,8 +170,8 @@ class CompletionsService:
 
     def stream(self, p: Prepared) -> AsyncIterator[bytes]:
         """Server-sent events: (chat) each choice's role first; text deltas as tokens arrive; each choice's last delta
-        with its finish_reason; the usage chunk if asked for; ``[DONE]``. Prompts of a multi-prompt completion are
-        streamed one after the other.
+        with its finish_reason; the usage chunk if asked for; ``[DONE]`` (after the key's count is given back).
+        Prompts of a multi-prompt completion are streamed one after the other.
 
         A key at its request limit is refused here, before the 200 status line goes out; the stream itself counts
         against the limit from its first event until it ends (counting inside the generator is what guarantees the
@@ -183,6 +183,8 @@ class CompletionsService:
         with self.quota.hold(p.owner, checked=False):  # admitted by ``stream``
             async for event in self._events(p):
                 yield event
+        # Sent once the count is given back: a client that has seen the end may send its next request at once.
+        yield _sse("[DONE]")
 
     async def _events(self, p: Prepared) -> AsyncIterator[bytes]:
         header = (p.id, p.created, p.model)
@@ -227,7 +229,6 @@ class CompletionsService:
         except Exception as exc:  # the status line is already sent: the error travels as an event
             log.exception("streaming %s failed", p.id)
             yield _sse(OpenAIError(500, f"internal server error: {exc}", kind="server_error").body())
-        yield _sse("[DONE]")
 
     @staticmethod
     def _text(chat: bool, text: str, offset: int) -> dict:
