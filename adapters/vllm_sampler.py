@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,10 @@ class VLLMSampler:
 
         wants_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
         return SamplingParams(
-            n=job.num_samples, max_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k or -1,
+            # vLLM raises a temperature in (0, 0.01) to 0.01; below GREEDY_TEMPERATURE every backend takes the argmax.
+            # It refuses n > 1 when greedy: one sequence is decoded and ``_result`` / ``_announce`` copy it.
+            n=1 if job.greedy else job.num_samples, temperature=0.0 if job.greedy else job.temperature,
+            max_tokens=job.max_tokens, top_k=job.top_k or -1,
             top_p=job.top_p, seed=job.seed, stop=list(job.stop_strings) or None,
             stop_token_ids=list(job.stop_token_ids) or None, ignore_eos=not job.stop_at_eos,
             include_stop_str_in_output=True, logprobs=job.topk_sample_logprobs,
@@ -119,7 +123,7 @@ class VLLMSampler:
                 self.adapters.release(adapter.key, slot_id)
                 async with self._freed:
                     self._freed.notify_all()
-        return self._result(final, job)
+        return _result(final, job)
 
     async def _acquire(self, adapter: AdapterRef) -> Acquired:
         """Reserve a resident slot, waiting while every resident adapter serves a running request."""
@@ -130,37 +134,43 @@ class VLLMSampler:
                 except AllAdaptersBusy:
                     await self._freed.wait()
 
-    def _result(self, output, job: SampleJob) -> SampleResult:
-        sequences = []
-        for completion in output.outputs:
-            if completion.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM ended a sequence with {completion.finish_reason!r}")
-            tokens = list(completion.token_ids)
-            steps = completion.logprobs or []
-            seq = SequenceResult(tokens=tokens, logprobs=[float(step[t].logprob) for t, step in zip(tokens, steps)],
-                                 stop_reason=completion.finish_reason)
-            if job.topk_sample_logprobs:
-                seq.topk_ids, seq.topk_logprobs = _topk_rows(steps, job.topk_sample_logprobs)
-            sequences.append(seq)
-        scores = PromptScores()
-        if output.prompt_logprobs is not None:
-            n, first = len(job.prompt), job.first_scored
-            values = np.full(n, np.nan, dtype=np.float32)
-            for i in range(first, n):
-                values[i] = output.prompt_logprobs[i][job.prompt[i]].logprob
-            scores.logprobs = values
-            if job.topk_prompt_logprobs:
-                ids, lps = _topk_rows(output.prompt_logprobs, job.topk_prompt_logprobs)
-                masked_ids, masked_lps = masked_topk(first, job.topk_prompt_logprobs)
-                ids[:first], lps[:first] = masked_ids, masked_lps
-                scores.topk_ids, scores.topk_logprobs = ids, lps
-        return SampleResult(sequences=sequences, prompt=scores,
-                            prompt_cache_hit_tokens=int(getattr(output, "num_cached_tokens", 0) or 0))
+
+def _result(output, job: SampleJob) -> SampleResult:
+    """The ``SampleResult`` of vLLM's final output; a greedy job's one sequence is its every sample."""
+    sequences = []
+    for completion in output.outputs:
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a sequence with {completion.finish_reason!r}")
+        tokens = list(completion.token_ids)
+        steps = completion.logprobs or []
+        seq = SequenceResult(tokens=tokens, logprobs=[float(step[t].logprob) for t, step in zip(tokens, steps)],
+                             stop_reason=completion.finish_reason)
+        if job.topk_sample_logprobs:
+            seq.topk_ids, seq.topk_logprobs = _topk_rows(steps, job.topk_sample_logprobs)
+        sequences.append(seq)
+    if job.greedy:
+        sequences = [replace(sequences[0]) for _ in range(job.num_samples)]
+    scores = PromptScores()
+    if output.prompt_logprobs is not None:
+        n, first = len(job.prompt), job.first_scored
+        values = np.full(n, np.nan, dtype=np.float32)
+        for i in range(first, n):
+            values[i] = output.prompt_logprobs[i][job.prompt[i]].logprob
+        scores.logprobs = values
+        if job.topk_prompt_logprobs:
+            ids, lps = _topk_rows(output.prompt_logprobs, job.topk_prompt_logprobs)
+            masked_ids, masked_lps = masked_topk(first, job.topk_prompt_logprobs)
+            ids[:first], lps[:first] = masked_ids, masked_lps
+            scores.topk_ids, scores.topk_logprobs = ids, lps
+    return SampleResult(sequences=sequences, prompt=scores,
+                        prompt_cache_hit_tokens=int(getattr(output, "num_cached_tokens", 0) or 0))
 
 
 def _announce(output, job: SampleJob, sent: list[int], on_token: OnToken) -> None:
-    """Report the tokens a cumulative vLLM output holds beyond those already reported."""
+    """Report the tokens a cumulative vLLM output holds beyond those already reported (a greedy job's one sequence
+    under each of its sample indices)."""
     for completion in output.outputs:
+        indices = range(job.num_samples) if job.greedy else (completion.index,)
         tokens, steps = list(completion.token_ids), completion.logprobs or []
         for position in range(sent[completion.index], len(tokens)):
             token = tokens[position]
@@ -168,8 +178,9 @@ def _announce(output, job: SampleJob, sent: list[int], on_token: OnToken) -> Non
             ids = lps = None
             if job.topk_sample_logprobs:
                 ids, lps = _topk_rows([step], job.topk_sample_logprobs)
-            on_token(TokenEvent(completion.index, token, float(step[token].logprob) if token in step else float("nan"),
-                                ids, lps))
+            logprob = float(step[token].logprob) if token in step else float("nan")
+            for index in indices:
+                on_token(TokenEvent(index, token, logprob, ids, lps))
         sent[completion.index] = len(tokens)
 
 

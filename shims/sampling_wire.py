@@ -87,8 +87,9 @@ class SampleJob:
 
     @property
     def greedy(self) -> bool:
-        """Whether this job takes the argmax. Dividing logits by a temperature this small overflows float32 and the
-        distribution it would give is the argmax anyway; vLLM draws the same line (its ``_SAMPLING_EPS``)."""
+        """Whether this job takes the argmax. Dividing logits by a temperature this small overflows float32, and the
+        distribution it would give is the argmax anyway. vLLM's greedy threshold is the same (``_SAMPLING_EPS``), but
+        it first raises any temperature in (0, 0.01) to 0.01, so its backend passes it 0 for a greedy job."""
         return self.temperature < GREEDY_TEMPERATURE
 
 

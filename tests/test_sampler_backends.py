@@ -182,6 +182,30 @@ def test_a_cancelled_request_stops_decoding_and_its_batch_company_finishes(make_
     assert len(alone) < decoded < len(alone) + 200, f"{decoded} tokens decoded"  # not 1,540
 
 
+def test_vllm_results_give_a_greedy_jobs_one_sequence_to_every_sample():
+    """vLLM refuses n > 1 when greedy, so the backend decodes one sequence and reports it as each sample (whole and
+    streamed). Checked on stand-ins for vLLM's output objects: this part needs no GPU."""
+    from types import SimpleNamespace
+
+    from adapters.vllm_sampler import _announce, _result
+
+    steps = [{token: SimpleNamespace(logprob=-0.25 * token, rank=1)} for token in (5, 6)]
+    output = SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[5, 6], logprobs=steps,
+                                                      finish_reason="length")],
+                             prompt_logprobs=None, num_cached_tokens=0)
+    for temperature in (0.0, 1e-7):
+        job = SampleJob(prompt=PROMPT, num_samples=3, max_tokens=2, temperature=temperature)
+        result = _result(output, job)
+        assert [(s.tokens, s.logprobs, s.stop_reason) for s in result.sequences] == [([5, 6], [-1.25, -1.5],
+                                                                                      "length")] * 3
+        events = []
+        _announce(output, job, [0] * 3, events.append)
+        assert sorted((e.index, e.token, e.logprob) for e in events) == sorted(
+            (i, t, -0.25 * t) for i in range(3) for t in (5, 6))
+    sampled = SampleJob(prompt=PROMPT, num_samples=1, max_tokens=2, temperature=1.0)
+    assert len(_result(output, sampled).sequences) == 1
+
+
 def test_pool_routes_an_adapter_to_the_replica_that_holds_it():
     """Routing only (no actors): affinity wins unless that replica is much busier than the least busy one."""
     from adapters.sampler_pool import SamplerPlacement, SamplerPool, _BaseReplicas, _Replica
