@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
@@ -10,6 +11,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from shims.errors import UserError
+
+log = logging.getLogger("compat_server.actors")
 
 
 def ray_node() -> str:
@@ -35,6 +38,15 @@ def _translated(what: str, method: str) -> Iterator[None]:
         raise ActorUnavailable(f"{what} is not available: {exc}") from None
 
 
+def _cancel(ref) -> None:
+    """Ask Ray to cancel ``ref``'s task; best effort, so that a Ray already shut down (the server stopping) never
+    turns a caller's cancellation into a failure of its own."""
+    try:
+        ray.cancel(ref)
+    except Exception as exc:  # noqa: BLE001 - whatever Ray says, the caller's CancelledError goes on
+        log.debug("could not cancel a Ray task: %s", exc)
+
+
 async def call_actor(actor, method: str, what: str, *args, **kwargs):
     """Await ``actor.method(*args)``. A caller that stops waiting (its task cancelled) cancels the actor task too:
     queued, it never runs; running in an async actor, it is cancelled there (a sampler drops the request)."""
@@ -43,7 +55,7 @@ async def call_actor(actor, method: str, what: str, *args, **kwargs):
         with _translated(what, method):
             return await ref
     except asyncio.CancelledError:
-        ray.cancel(ref)
+        _cancel(ref)
         raise
 
 
@@ -56,5 +68,5 @@ async def stream_actor(actor, method: str, what: str, *args) -> AsyncIterator:
             async for ref in generator:
                 yield await ref
     except (GeneratorExit, asyncio.CancelledError):
-        ray.cancel(generator)
+        _cancel(generator)
         raise

@@ -91,6 +91,7 @@ class SamplerActor:
         finally:
             if not task.done():  # the consumer went away: stop sampling for it
                 task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody waits for
 
 
 @dataclass
@@ -180,12 +181,15 @@ class SamplerPool:
 
     def resident_counts(self, timeout: float = 5.0) -> dict[str, int]:
         """Adapters resident per base model, over all its replicas. Blocking: for a metrics reader's thread, never
-        the event loop. A base whose replicas do not answer in ``timeout`` is left out rather than guessed."""
+        the event loop. A base whose replicas do not all answer within ``timeout`` (together) is left out."""
         asked = {name: [r.actor.stats.remote() for r in base.replicas] for name, base in list(self.bases.items())}
+        refs = [ref for refs in asked.values() for ref in refs]
+        answered = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]) if refs else set()
         counts = {}
         for name, refs in asked.items():
             try:
-                counts[name] = sum(len(stats["resident_adapters"]) for stats in ray.get(refs, timeout=timeout))
+                if all(ref in answered for ref in refs):
+                    counts[name] = sum(len(stats["resident_adapters"]) for stats in ray.get(refs))
             except ray.exceptions.RayError:
                 log.debug("samplers of %s did not report their resident adapters", name)
         return counts
