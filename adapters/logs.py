@@ -1,8 +1,8 @@
 """Log line formats, shared by the server process and the Ray actors it starts (they log through Ray to the server's
 stderr): readable text by default, or one JSON object per line with ``--log-format json`` for log collectors.
 
-In JSON mode every line the server prints is a JSON object: uvicorn's and Ray's own loggers go through the same
-handler, and Ray forwards actor lines without its ``(SamplerActor pid=…)`` prefix and without folding repeated lines
+In JSON mode every line the server prints is a JSON object: uvicorn's and Ray's own loggers and Python warnings go
+through the same handler, and Ray forwards actor lines without its ``(SamplerActor pid=…)`` prefix and without folding repeated lines
 into ``[repeated 2x across cluster]`` (each entry has its ``pid`` instead).
 
 Lifecycle events carry their facts as ``extra`` fields (``event``, ``model_id``, ``loss``, ``tokens_per_s``…): in text
@@ -45,6 +45,7 @@ def configure_logging(level: str | int = logging.INFO, fmt: str | None = None) -
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     if fmt == "json":
+        logging.captureWarnings(True)  # Python warnings are log records too, not raw lines on stderr
         _ray_logs_as_json()
 
 
