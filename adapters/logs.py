@@ -2,8 +2,8 @@
 stderr): readable text by default, or one JSON object per line with ``--log-format json`` for log collectors.
 
 In JSON mode every line the server prints is a JSON object: uvicorn's and Ray's own loggers and Python warnings go
-through the same handler, and Ray forwards actor lines without its ``(SamplerActor pid=…)`` prefix and without folding repeated lines
-into ``[repeated 2x across cluster]`` (each entry has its ``pid`` instead).
+through the same handler, and Ray forwards actor lines without its ``(SamplerActor pid=…)`` prefix and without
+folding repeated lines into ``[repeated 2x across cluster]`` (each entry has its ``pid`` instead).
 
 Lifecycle events carry their facts as ``extra`` fields (``event``, ``model_id``, ``loss``, ``tokens_per_s``…): in text
 they are already in the message; in JSON they become keys of their own, so nobody has to parse messages.

@@ -56,11 +56,11 @@ class _Lane:
     client may jump far ahead (seq_id 2**62), and the numbers in between must not be listed one by one."""
     late: set[int] = field(default_factory=set)
     """Skipped numbers that did turn up (each may run once)."""
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: asyncio.Task | None = None
 
     def was_skipped(self, seq_id: int) -> bool:
         return seq_id not in self.late and any(seq_id in gap for gap in self.skipped)
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    runner: asyncio.Task | None = None
 
 
 class Scheduler:
