@@ -14,16 +14,26 @@ import torch
 from shims.sampling_wire import PromptScores, SampleJob, masked_topk
 
 
-def sequence_generators(job: SampleJob, fallback_seed: int) -> list[torch.Generator]:
-    """One CPU generator per requested sample. With a seed, sample ``i`` always draws from ``seed``'s ``i``-th stream,
-    so the same request with the same seed gives the same tokens whatever else is batched with it."""
+class SeededStream:
+    """One sequence's random stream. Its ``torch.Generator`` is made on the device of the tensors it draws for, when
+    it first meets them: a CUDA tensor cannot be sampled with a CPU generator (and copying every distribution to the
+    host to draw there would cost a transfer per token). The same seed gives the same draws on the same device."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed % 2**63
+        self._generator: torch.Generator | None = None
+
+    def on(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
+
+
+def sequence_streams(job: SampleJob, fallback_seed: int) -> list[SeededStream]:
+    """One stream per requested sample. With a seed, sample ``i`` always draws from ``seed``'s ``i``-th stream, so the
+    same request with the same seed gives the same tokens whatever else is batched with it."""
     base = job.seed if job.seed is not None else fallback_seed
-    generators = []
-    for i in range(job.num_samples):
-        g = torch.Generator()
-        g.manual_seed((base * 1_000_003 + i) % 2**63)
-        generators.append(g)
-    return generators
+    return [SeededStream(base * 1_000_003 + i) for i in range(job.num_samples)]
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -56,15 +66,14 @@ def penalized(logits: torch.Tensor, job: SampleJob, previous: Sequence[int]) -> 
     return out
 
 
-def choose_token(logits: torch.Tensor, job: SampleJob, generator: torch.Generator,
-                 previous: Sequence[int] = ()) -> int:
+def choose_token(logits: torch.Tensor, job: SampleJob, stream: SeededStream, previous: Sequence[int] = ()) -> int:
     """Pick the next token from one row of logits: argmax when the job is greedy, else a draw from ``filtered_probs``;
     penalties (if any) first."""
     logits = penalized(logits, job, previous)
     if job.greedy:
         return int(torch.argmax(logits))
     probs = filtered_probs(logits, job.temperature, job.top_k, job.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=stream.on(probs.device)))
 
 
 def top_k(logprobs: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +81,7 @@ def top_k(logprobs: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.to(torch.int32).cpu().numpy(), values.float().cpu().numpy()
 
 
-def score_prompt(logprobs: torch.Tensor, job: SampleJob, generator: torch.Generator) -> PromptScores:
+def score_prompt(logprobs: torch.Tensor, job: SampleJob, stream: SeededStream) -> PromptScores:
     """Prompt-side results from the prefill. ``logprobs[i]`` is the log-softmax (temperature 1) of the logits at
     prompt position ``i``, i.e. the distribution over prompt token ``i + 1``; shape ``[len(prompt) - 1, vocab]``."""
     n = len(job.prompt)
@@ -102,7 +111,7 @@ def score_prompt(logprobs: torch.Tensor, job: SampleJob, generator: torch.Genera
             draws = torch.argmax(logprobs, dim=-1, keepdim=True).expand(-1, k)
         else:
             probs = torch.softmax(logprobs.float() / job.temperature, dim=-1)
-            draws = torch.multinomial(probs.cpu(), k, replacement=True, generator=generator).to(logprobs.device)
+            draws = torch.multinomial(probs, k, replacement=True, generator=stream.on(probs.device))
         scores.alt_tokens = draws.cpu().numpy().astype(np.int64)
         scores.alt_logprobs = logprobs.gather(1, draws).float().cpu().numpy()
     return scores

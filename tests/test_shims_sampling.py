@@ -11,7 +11,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 
 from adapters.sampler import AdapterRef, AllAdaptersBusy, ResidentAdapters
 from shims.errors import UserError
-from shims.sampling_math import StopMatcher, choose_token, filtered_probs, score_prompt, sequence_generators
+from shims.sampling_math import SeededStream, StopMatcher, choose_token, filtered_probs, score_prompt, sequence_streams
 from shims.sampling_wire import (
     PromptScores,
     SampleJob,
@@ -151,8 +151,8 @@ def test_a_vanishing_temperature_samples_greedily_instead_of_dividing_into_nan(t
     logits = torch.randn(50, generator=torch.Generator().manual_seed(3)) * 10
     job = SampleJob(prompt=(1,), num_samples=2, temperature=temperature, prompt_alt_tokens_k=3)
     best = int(np.argmax(logits.numpy()))
-    assert {choose_token(logits, job, g) for g in sequence_generators(job, 0)} == {best}
-    scores = score_prompt(torch.log_softmax(logits, dim=-1).unsqueeze(0), job, torch.Generator())
+    assert {choose_token(logits, job, g) for g in sequence_streams(job, 0)} == {best}
+    scores = score_prompt(torch.log_softmax(logits, dim=-1).unsqueeze(0), job, SeededStream(0))
     assert (scores.alt_tokens == best).all()
 
 
@@ -169,10 +169,10 @@ def test_extreme_temperature_and_top_p_keep_a_valid_distribution(temperature, to
 def test_choose_token_is_greedy_at_zero_and_reproducible_with_a_seed():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     greedy = SampleJob(prompt=(1,), temperature=0.0)
-    assert choose_token(logits, greedy, torch.Generator()) == int(np.argmax(logits.numpy()))
+    assert choose_token(logits, greedy, SeededStream(0)) == int(np.argmax(logits.numpy()))
     job = SampleJob(prompt=(1,), num_samples=3, seed=42, top_k=3)
-    draws = [[choose_token(logits, job, g) for _ in range(20)] for g in sequence_generators(job, 0)]
-    again = [[choose_token(logits, job, g) for _ in range(20)] for g in sequence_generators(job, 1)]
+    draws = [[choose_token(logits, job, g) for _ in range(20)] for g in sequence_streams(job, 0)]
+    again = [[choose_token(logits, job, g) for _ in range(20)] for g in sequence_streams(job, 1)]
     assert draws == again  # the seed, not the fallback, decides
     allowed = set(np.argsort(-logits.numpy())[:3].tolist())
     assert {token for row in draws for token in row} <= allowed and draws[0] != draws[1]
@@ -187,7 +187,7 @@ def test_score_prompt_matches_reference():
 
     job = SampleJob(prompt=prompt, prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=3,
                     target=TargetIds(ids=target), prompt_alt_tokens_k=4, temperature=1.0)
-    scores = score_prompt(logprobs, job, torch.Generator().manual_seed(0))
+    scores = score_prompt(logprobs, job, SeededStream(0))
     ref = logprobs.numpy()
     expected = [np.nan, np.nan] + [ref[i - 1, prompt[i]] for i in range(2, 5)]
     np.testing.assert_allclose(scores.logprobs, expected, atol=1e-6)
@@ -246,3 +246,35 @@ def test_newer_weights_arriving_while_old_ones_are_in_use():
     lru.release("k", old.slot_id)  # the old request finishes: its slot is owed an unload
     other = lru.acquire(AdapterRef("x", "/x"))
     assert other.evicted == (old.slot_id,)
+
+
+def _accelerators() -> dict[str, bool]:
+    return {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+
+
+@pytest.mark.parametrize("device", list(_accelerators()))
+def test_the_sampling_arithmetic_runs_on_the_device_of_its_tensors(device):
+    """A CPU run cannot see device bugs (a CPU ``torch.Generator`` drawing for a CUDA tensor failed every non-greedy
+    sample on an H100), so the arithmetic runs here on each accelerator the machine has, against the same numbers
+    computed on the CPU."""
+    if not _accelerators()[device]:
+        pytest.skip(f"this machine has no {device} device; this test runs where one exists (bench/gpu_smoke.py checks "
+                    "the whole server on a GPU)")
+    from shims.sampling_wire import TargetIds
+
+    cpu_logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(5)) * 3
+    logits = cpu_logits.to(device)
+    job = SampleJob(prompt=(3, 7, 1, 9, 4, 2, 8), num_samples=2, seed=11, top_k=5, top_p=0.9, temperature=0.8,
+                    presence_penalty=0.5, prompt_logprobs=True, topk_prompt_logprobs=3,
+                    target=TargetIds(ids=np.array([[1, -1]] * 6)), prompt_alt_tokens_k=4)
+    draws = [[choose_token(logits[0], job, stream, [1, 2]) for _ in range(10)] for stream in sequence_streams(job, 0)]
+    again = [[choose_token(logits[0], job, stream, [1, 2]) for _ in range(10)] for stream in sequence_streams(job, 0)]
+    assert draws == again
+    allowed = set(np.argsort(-cpu_logits[0].numpy())[:5].tolist())
+    assert {token for row in draws for token in row} <= allowed
+    scores = score_prompt(torch.log_softmax(logits, dim=-1), job, SeededStream(1))
+    reference = score_prompt(torch.log_softmax(cpu_logits, dim=-1), job, SeededStream(1))
+    np.testing.assert_allclose(scores.logprobs[1:], reference.logprobs[1:], atol=1e-5)
+    np.testing.assert_allclose(scores.topk_logprobs, reference.topk_logprobs, atol=1e-5)
+    np.testing.assert_allclose(scores.target_logprobs, reference.target_logprobs, atol=1e-5)
+    assert scores.alt_tokens.shape == (6, 4) and ((scores.alt_tokens >= 0) & (scores.alt_tokens < 40)).all()
