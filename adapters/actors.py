@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from adapters.sampler import Restarting
 from shims.errors import UserError
 
 log = logging.getLogger("compat_server.actors")
@@ -24,6 +25,11 @@ class ActorUnavailable(RuntimeError):
     """An actor died, could not be reached, or failed with an unexpected error: a server-side failure."""
 
 
+class ActorRestarting(ActorUnavailable):
+    """The actor is being restarted: a call made now was refused without running, and one made once the actor is
+    back will run."""
+
+
 @contextmanager
 def _translated(what: str, method: str) -> Iterator[None]:
     """A ``UserError`` raised inside the actor is re-raised as itself; anything else as ``ActorUnavailable``."""
@@ -33,7 +39,11 @@ def _translated(what: str, method: str) -> Iterator[None]:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, UserError):
             raise UserError(str(cause)) from None
+        if isinstance(cause, Restarting):
+            raise ActorRestarting(f"{what} is restarting: {cause}") from None
         raise ActorUnavailable(f"{what} failed in {method}: {cause}") from None
+    except ActorUnavailableError as exc:
+        raise ActorRestarting(f"{what} is restarting: {exc}") from None
     except RayActorError as exc:
         raise ActorUnavailable(f"{what} is not available: {exc}") from None
 

@@ -36,3 +36,24 @@ def resolve_base_model(name: str, cache_root: Path | None = None) -> BaseModelSp
     if path.is_dir():
         return BaseModelSpec(name=name, location=str(path.resolve()))
     return BaseModelSpec(name=name, location=name)
+
+
+SAMPLER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(requested: str, device_type: str, location: str) -> str:
+    """The dtype a sampler holds the base model in. ``auto``: float32 on CPU (where bf16 is slow and imprecise, and
+    fp32 makes sampler and trainer logprobs agree to ~1e-6); elsewhere the model's own dtype from its config, so a
+    bf16 checkpoint stays bf16 (vLLM's own ``auto`` would turn an fp32 checkpoint into fp16)."""
+    if requested not in SAMPLER_DTYPES:
+        raise ValueError(f"sampler dtype must be one of {', '.join(SAMPLER_DTYPES)}; got {requested!r}")
+    if requested != "auto":
+        return requested
+    if device_type == "cpu":
+        return "float32"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(location)
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(own).removeprefix("torch.") if own is not None else "bfloat16"
+    return name if name in SAMPLER_DTYPES else "bfloat16"

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adapters.base_models import resolve_dtype
 from adapters.batching import Coalescer
 from adapters.sampler import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
-from shims.sampling_math import StopMatcher, choose_token, score_prompt, sequence_generators, top_k
+from shims.sampling_math import SeededStream, StopMatcher, choose_token, score_prompt, sequence_streams, top_k
 from shims.sampling_wire import SampleJob, SampleResult, SequenceResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
@@ -49,7 +50,7 @@ class _Row:
     index: int
     """Which of its request's samples this row is."""
     adapter_name: str
-    generator: torch.Generator
+    stream: SeededStream
     matcher: StopMatcher
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -61,14 +62,16 @@ class TransformersSampler:
     """One base model in transformers, sampled with any number of PEFT adapters."""
 
     def __init__(self, location: str, max_batch_sequences: int = 32, max_resident: int = 8,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, dtype: str = "auto", max_model_len: int | None = None) -> None:
+        """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
+        completion (unset, or beyond it: the model's context)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
             torch.set_num_threads(threads)
         self.location = location
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        dtype = getattr(torch, resolve_dtype(dtype, self.device.type, location))
         self.tokenizer = AutoTokenizer.from_pretrained(location)
         self.base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device).eval()
         config = self.base.config
@@ -79,11 +82,13 @@ class TransformersSampler:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._facts = SamplerFacts(
             backend="transformers", vocab_size=int(config.vocab_size),
-            max_context=int(getattr(config, "max_position_embeddings", 2048)), device=str(self.device),
-            max_resident=max_resident)
+            max_context=min(int(getattr(config, "max_position_embeddings", 2048)), max_model_len or 1 << 62),
+            device=str(self.device), max_resident=max_resident, dtype=str(dtype).removeprefix("torch."))
         self.max_batch_sequences = max_batch_sequences
         self.adapters = ResidentAdapters(max_resident)
         self.peft = None
+        self.dead: str | None = None
+        """Never set: the transformers sampler has no separate engine that could die under it."""
         self._batches = Coalescer(self._run_in_thread, self._batch_size)
         self.batches = 0
         self.decoded_tokens = 0
@@ -204,8 +209,8 @@ class TransformersSampler:
     def _generate(self, requests: list[_Request], names: list[str]) -> list[SampleResult]:
         rows: list[_Row] = []
         for number, (request, name) in enumerate(zip(requests, names)):
-            for index, generator in enumerate(sequence_generators(request.job, secrets.randbits(62))):
-                rows.append(_Row(number, index, name, generator,
+            for index, stream in enumerate(sequence_streams(request.job, secrets.randbits(62))):
+                rows.append(_Row(number, index, name, stream,
                                  StopMatcher(request.job, self.eos_ids, self.tokenizer.decode)))
         jobs = [request.job for request in requests]
         listeners = [request.on_token for request in requests]
@@ -234,8 +239,7 @@ class TransformersSampler:
                     logprobs = torch.log_softmax(out.logits[i, longest - n:longest - 1].float(), dim=-1)
                     # Its own stream, so asking for prompt_alt_tokens never changes the sampled tokens.
                     seed = job.seed if job.seed is not None else secrets.randbits(62)
-                    draws = torch.Generator().manual_seed((seed ^ 0x5EED) % 2**63)
-                    results[index].prompt = score_prompt(logprobs, job, draws)
+                    results[index].prompt = score_prompt(logprobs, job, SeededStream(seed ^ 0x5EED))
         cache, last = out.past_key_values, out.logits[:, -1]
         active = list(range(len(rows)))  # row numbers still generating, in cache order
         next_pos = positions[:, -1] + 1
@@ -248,7 +252,7 @@ class TransformersSampler:
                     step_tokens.append(self.pad_id)  # never fed: the row leaves the batch below
                     continue
                 logprobs = torch.log_softmax(last[slot].float(), dim=-1)
-                token = choose_token(last[slot], job, row.generator, row.tokens)
+                token = choose_token(last[slot], job, row.stream, row.tokens)
                 row.tokens.append(token)
                 self.decoded_tokens += 1
                 row.logprobs.append(float(logprobs[token]))

@@ -19,6 +19,11 @@ OnToken = Callable[[TokenEvent], None]
 """Called with each token as it is sampled (streaming); possibly from a backend's generation thread."""
 
 
+class Restarting(RuntimeError):
+    """Raised inside a sampler actor that is about to be replaced (it stops, and Ray starts it again): the call did
+    not run. Its caller sees ``adapters.actors.ActorRestarting`` and waits for the new replica."""
+
+
 @dataclass(frozen=True)
 class AdapterRef:
     """Which LoRA weights to sample from. ``key`` names the weights (a sampler checkpoint's tinker:// path, or an
@@ -37,9 +42,14 @@ class SamplerFacts:
     max_context: int
     device: str
     max_resident: int
+    dtype: str = ""
+    """What the base model is held in (float32, bfloat16, ...)."""
 
 
 class SamplerBackend(Protocol):
+    dead: str | None
+    """Why the backend can no longer serve (its actor is then replaced), or None."""
+
     def facts(self) -> SamplerFacts: ...
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:

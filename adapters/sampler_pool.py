@@ -14,18 +14,23 @@ from dataclasses import dataclass, field
 
 import ray
 
-from adapters.actors import call_actor, ray_node, stream_actor
+from adapters.actors import ActorRestarting, ActorUnavailable, call_actor, ray_node, stream_actor
 from adapters.base_models import BaseModelSpec
 from adapters.logs import configure_logging
-from adapters.sampler import AdapterRef, SamplerFacts
+from adapters.sampler import AdapterRef, Restarting, SamplerFacts
+from adapters.vllm_sampler import VLLMOptions
 from shims.sampling_wire import SampleJob, SampleResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
 
+RESTART_WAIT_SECONDS = 600.0
+"""How long a request waits for a sampler replica that Ray is restarting."""
+
 
 @dataclass(frozen=True)
 class SamplerPlacement:
-    """How many sampler replicas each base model gets, which backend, and the Ray resources each asks for."""
+    """How many sampler replicas each base model gets, which backend, the Ray resources each asks for, and the
+    settings of the model it holds."""
 
     count: int = 1
     backend: str = "transformers"
@@ -34,8 +39,9 @@ class SamplerPlacement:
     threads: int | None = None
     max_batch_sequences: int = 32
     max_resident: int = 8
-    vllm_max_lora_rank: int = 64
-    vllm_gpu_memory_utilization: float = 0.85
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
     resources: dict[str, float] | None = None
 
 
@@ -45,23 +51,30 @@ class SamplerActor:
 
     def __init__(self, location: str, placement: SamplerPlacement) -> None:
         configure_logging()
-        if placement.backend == "vllm":
+        p = placement
+        if p.backend == "vllm":
             from adapters.vllm_sampler import VLLMSampler
 
-            self.impl = VLLMSampler(location, max_resident=placement.max_resident,
-                                    max_lora_rank=placement.vllm_max_lora_rank,
-                                    gpu_memory_utilization=placement.vllm_gpu_memory_utilization)
+            self.impl = VLLMSampler(location, max_resident=p.max_resident, dtype=p.dtype,
+                                    max_model_len=p.max_model_len, options=p.vllm, on_engine_dead=_exit_soon)
         else:
             from adapters.hf_sampler import TransformersSampler
 
-            self.impl = TransformersSampler(location, max_batch_sequences=placement.max_batch_sequences,
-                                            max_resident=placement.max_resident, threads=placement.threads)
+            self.impl = TransformersSampler(location, max_batch_sequences=p.max_batch_sequences,
+                                            max_resident=p.max_resident, threads=p.threads, dtype=p.dtype,
+                                            max_model_len=p.max_model_len)
 
     def facts(self) -> SamplerFacts:
         return self.impl.facts()
 
+    def ready(self) -> None:
+        """Answers once this replica can serve; raises ``Restarting`` while it is about to be replaced."""
+        if self.impl.dead:
+            raise Restarting(f"its backend stopped ({self.impl.dead})")
+
     def stats(self) -> dict:
-        return {**self.impl.stats(), "node": ray_node(), "pid": os.getpid()}
+        return {**self.impl.stats(), "resident_limit": self.impl.facts().max_resident, "node": ray_node(),
+                "pid": os.getpid()}
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         return await self.impl.sample(adapter, job)
@@ -92,6 +105,12 @@ class SamplerActor:
             if not task.done():  # the consumer went away: stop sampling for it
                 task.cancel()
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody waits for
+
+
+def _exit_soon(delay: float = 1.0) -> None:
+    """End this actor's process shortly (after the failing calls have answered) so that Ray, which restarts a crashed
+    sampler actor, starts a fresh replica: a vLLM engine that died does not come back inside its process."""
+    asyncio.get_running_loop().call_later(delay, os._exit, 1)
 
 
 @dataclass
@@ -150,9 +169,15 @@ class SamplerPool:
         base = self.bases[base_model]
         index = self._route(base, adapter)
         replica = base.replicas[index]
+        what = f"sampler {index} for {base_model}"
         replica.in_flight += job.num_samples
         try:
-            return await call_actor(replica.actor, "sample", f"sampler {index} for {base_model}", adapter, job)
+            deadline = asyncio.get_running_loop().time() + RESTART_WAIT_SECONDS
+            while True:
+                try:
+                    return await call_actor(replica.actor, "sample", what, adapter, job)
+                except ActorRestarting:
+                    await self._restarted(replica, what, deadline)
         finally:
             replica.in_flight -= job.num_samples
 
@@ -162,12 +187,37 @@ class SamplerPool:
         base = self.bases[base_model]
         index = self._route(base, adapter)
         replica = base.replicas[index]
+        what = f"sampler {index} for {base_model}"
         replica.in_flight += job.num_samples
         try:
-            async for item in stream_actor(replica.actor, "stream", f"sampler {index} for {base_model}", adapter, job):
-                yield item
+            deadline = asyncio.get_running_loop().time() + RESTART_WAIT_SECONDS
+            while True:
+                started = False
+                try:
+                    async for item in stream_actor(replica.actor, "stream", what, adapter, job):
+                        started = True
+                        yield item
+                    return
+                except ActorRestarting:
+                    if started:
+                        raise
+                    await self._restarted(replica, what, deadline)
         finally:
             replica.in_flight -= job.num_samples
+
+    async def _restarted(self, replica: _Replica, what: str, deadline: float) -> None:
+        """Wait while a replica is replaced (a vLLM engine takes from seconds to minutes to start): a request that
+        arrives meanwhile runs once the replica is back, instead of failing. Past ``deadline`` it fails as a server
+        error."""
+        log.warning("%s is restarting; a request waits for it", what)
+        while True:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ActorUnavailable(f"{what} did not come back within {RESTART_WAIT_SECONDS:.0f} s")
+            try:
+                await call_actor(replica.actor, "ready", what)
+                return
+            except ActorRestarting:
+                await asyncio.sleep(1.0)
 
     async def stats(self) -> dict[str, list[dict]]:
         """Per base model, each replica's load and resident adapter count."""

@@ -27,7 +27,8 @@ from shims.training_wire import DatumArrays
 LORA_ALPHA = 32
 """Fixed LoRA alpha, independent of rank (scale alpha/rank), so a learning rate carries across ranks as in Tinker."""
 
-MAX_LORA_RANK = 256
+MAX_LORA_RANK = 512
+"""The largest rank the trainer itself takes (vLLM's largest); the server's ``--max-lora-rank`` is usually lower."""
 
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
@@ -328,7 +329,8 @@ class MultiLoRATrainer:
             raise UserError(f"the accumulated gradient is not finite (norm {grad_norm}); it was discarded and the "
                             "weights were not changed")
         if hyper.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, hyper.grad_clip_norm, torch.tensor(grad_norm))
+            torch.nn.utils.clip_grads_with_norm_(grads, hyper.grad_clip_norm,
+                                                 torch.tensor(grad_norm, device=grads[0].device))
         for group in adapter.optimizer.param_groups:
             group.update(lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
                          weight_decay=hyper.weight_decay)

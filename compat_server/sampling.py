@@ -356,5 +356,7 @@ class SamplingService:
 
     async def metrics(self) -> dict:
         pool = await self.samplers.stats()
-        return {name: {**stats.as_dict(), "backend": self.samplers.facts[name].backend, "replicas": pool[name]}
+        facts = self.samplers.facts
+        return {name: {**stats.as_dict(), "backend": facts[name].backend, "device": facts[name].device,
+                       "dtype": facts[name].dtype, "replicas": pool[name]}
                 for name, stats in self.stats.items()}

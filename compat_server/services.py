@@ -16,6 +16,7 @@ from adapters.base_models import BaseModelSpec, resolve_base_model
 from adapters.sampler import choose_backend
 from adapters.sampler_pool import SamplerPlacement, SamplerPool
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
+from adapters.vllm_sampler import VLLMOptions
 from compat_server.checkpoints import CheckpointStore
 from compat_server.completions import CompletionsService
 from compat_server.config import ServerConfig
@@ -123,9 +124,19 @@ async def start_services(config: ServerConfig) -> Services:
         count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,
         resources=config.sampler_resources or None,
         threads=config.sampler_threads, max_batch_sequences=config.sampler_batch,
-        max_resident=config.max_resident_adapters, vllm_max_lora_rank=config.vllm_max_lora_rank,
-        vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization or round(0.85 * min(sampler_gpus, 1.0), 2)))
-    await asyncio.gather(trainers.start(), samplers.start())
+        max_resident=config.max_resident_adapters, dtype=config.sampler_dtype, max_model_len=config.max_model_len,
+        vllm=VLLMOptions(
+            max_lora_rank=config.max_lora_rank, max_loras=config.vllm_max_loras,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization or (
+                round(0.85 * min(sampler_gpus, 1.0), 2) if sampler_gpus > 0 else None),
+            kv_cache_gb=config.vllm_kv_cache_gb)))
+    if backend == "vllm" and sampler_gpus > 0 and trainer_gpus > 0:
+        # vLLM checks at start that the share of the GPU it is given is free; a trainer that loaded first on the
+        # same GPU would make that check fail, so the samplers take their share first.
+        await samplers.start()
+        await trainers.start()
+    else:
+        await asyncio.gather(trainers.start(), samplers.start())
     quota = KeyQuota(config.max_pending_per_key)
     hub = FutureHub(records, quota)
     scheduler = Scheduler(hub, trainers, gap_timeout=config.seq_gap_timeout)
@@ -139,7 +150,8 @@ async def start_services(config: ServerConfig) -> Services:
                                                drift_probe_every=config.drift_probe_every,
                                                ephemeral_keep=config.ephemeral_keep,
                                                stability_ttl_seconds=config.stability_ttl))
-    training = TrainingService(records, scheduler, checkpoints, base_models, sampling, config.max_adapters_per_key)
+    training = TrainingService(records, scheduler, checkpoints, base_models, sampling, config.max_adapters_per_key,
+                               config.max_lora_rank)
     trainers.on_restart = training.reload_after_restart
     runs = RunsService(records, checkpoints, UrlSigner(config.url_key_path, config.download_url_ttl))
     services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,

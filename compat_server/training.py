@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from tinker import types
 
 from adapters.base_models import BaseModelSpec
-from adapters.trainer import AdamHyper, LoraSpec, StepRequest, read_lora_spec
+from adapters.trainer import MAX_LORA_RANK, AdamHyper, LoraSpec, StepRequest, read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.futures import JSON, PROTOBUF, Payload
 from compat_server.records import Records
@@ -43,8 +43,9 @@ class TrainingService:
 
     def __init__(self, records: Records, scheduler: Scheduler, checkpoints: CheckpointStore,
                  base_models: dict[str, BaseModelSpec], sampling: SamplingService,
-                 max_adapters_per_key: int | None = None) -> None:
+                 max_adapters_per_key: int | None = None, max_lora_rank: int = MAX_LORA_RANK) -> None:
         self.records = records
+        self.max_lora_rank = max_lora_rank
         self.max_adapters_per_key = max_adapters_per_key
         self._creating: dict[str, int] = {}
         self.sampling = sampling
@@ -168,6 +169,9 @@ class TrainingService:
             spec = LoraSpec(rank=lora.rank, seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
                             train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed)
             spec.validate()
+            if spec.rank > self.max_lora_rank:
+                raise UserError(f"LoRA rank {spec.rank} is above this server's --max-lora-rank {self.max_lora_rank} "
+                                "(the samplers are started for ranks up to it); ask for a smaller rank")
             with self._new_model_slot(owner):
                 await self.scheduler.trainer(base.name, "create", model_id, spec)
                 self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
