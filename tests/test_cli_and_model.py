@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ def test_help_explains_every_serve_option():
     for option in ["--host", "--port", "--base-model", "--data-dir", "--ray-address", "--trainer-gpus",
                    "--poll-hold-seconds", "--seq-gap-timeout", "--max-body-mb", "--log-level", "--samplers",
                    "--sampler-backend", "--sampler-gpus", "--sampler-batch", "--max-resident-adapters",
-                   "--vllm-max-lora-rank", "--max-num-samples", "--max-logprobs-k", "--drift-probe-every",
+                   "--max-lora-rank", "--sampler-dtype", "--max-model-len", "--vllm-max-loras",
+                   "--vllm-gpu-memory-utilization", "--vllm-kv-cache-gb", "--max-num-samples", "--max-logprobs-k", "--drift-probe-every",
                    "--ephemeral-keep"]:
         assert option in top.stdout and option in serve.stdout
     assert "default: 127.0.0.1" in serve.stdout and "default: 8000" in serve.stdout
@@ -28,6 +30,14 @@ def test_invalid_option_values_are_refused_with_the_option_named():
                            "--max-resident-adapters", "0"], capture_output=True, text=True, check=False)
     assert done.returncode == 2
     assert "--samplers must be at least 1" in done.stderr and "--max-resident-adapters must be at least 1" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--vllm-max-loras", "0"],
+                          capture_output=True, text=True, check=False,
+                          env={**os.environ, "COMPAT_SERVER_MAX_LORA_RANK": "100", "COMPAT_SERVER_SAMPLER_DTYPE": "fp8"})
+    assert done.returncode == 2
+    for message in ("--max-lora-rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512",
+                    "--sampler-dtype must be one of auto, float32, bfloat16, float16",
+                    "--vllm-max-loras must be at least 1"):
+        assert message in done.stderr, done.stderr
 
 
 def digest(path) -> str:

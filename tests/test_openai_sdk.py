@@ -13,10 +13,21 @@ import pytest
 from tinker import types
 from transformers import AutoTokenizer
 
-from tests.helpers import BASE_MODEL, make_datum, train
+from tests.helpers import BASE_MODEL, make_datum, service_client_for, train
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TARGET = "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def server(backend_server):
+    """Every test here runs against both sampler backends (``backend_server`` in conftest)."""
+    return backend_server
+
+
+@pytest.fixture(scope="module")
+def service_client(server):
+    yield from service_client_for(server)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +90,25 @@ def test_streaming_is_incremental_and_matches_the_whole_response(oai, adapter_pa
         finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
         assert [c.choices[0].finish_reason for c in finals] == [whole.choices[0].finish_reason]
         assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_a_stream_of_several_choices_gives_each_its_text_finish_reason_and_usage(oai):
+    """n > 1 streamed, the choices ending at different steps: each index's deltas add up to that choice of the same
+    seeded request unstreamed, with its own finish reason, and usage counts every choice's tokens."""
+    kwargs = {"model": BASE_MODEL, "n": 4, "seed": 21, "temperature": 1.0, "max_tokens": 24, "stop": ["e", "o"]}
+    whole = chat(oai, **kwargs)
+    chunks = list(chat(oai, stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts, finishes = {i: "" for i in range(4)}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                assert choice.index not in finishes, "a choice finished twice"
+                finishes[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(4)] == [c.message.content for c in whole.choices]
+    assert [finishes[i] for i in range(4)] == [c.finish_reason for c in whole.choices]
+    assert "stop" in finishes.values() and len({len(t) for t in texts.values()}) > 1  # they ended apart
+    assert chunks[-1].usage == whole.usage
 
 
 def _decoded_tokens(server) -> int:

@@ -13,6 +13,12 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "tinker_minimal.py"
 
 
+@pytest.fixture(scope="module")
+def server(backend_server):
+    """Every test here runs against both sampler backends (``backend_server`` in conftest)."""
+    return backend_server
+
+
 @pytest.mark.skipif(not SCRIPT.exists(), reason=f"reference script not found at {SCRIPT}")
 @pytest.mark.parametrize("use_tokenizer", [False, True], ids=["token-ids", "USE_TOKENIZER=1"])
 def test_tinker_minimal_runs_to_the_end(server, use_tokenizer):

@@ -12,11 +12,30 @@ import tinker
 import torch
 from tinker import types
 
-from tests.helpers import BASE_MODEL, checkpoint_dir, forward_logprobs, make_datum, reference_peft_model, train
+from tests.helpers import (
+    BASE_MODEL,
+    checkpoint_dir,
+    forward_logprobs,
+    make_datum,
+    reference_peft_model,
+    service_client_for,
+    train,
+)
 
 PROMPT = [11, 42, 77, 103, 250, 19, 7]
 TARGET = [301, 17, 96, 45]
 GREEDY = types.SamplingParams(max_tokens=len(TARGET), temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(backend_server):
+    """Every test here runs against both sampler backends (``backend_server`` in conftest)."""
+    return backend_server
+
+
+@pytest.fixture(scope="module")
+def service_client(server):
+    yield from service_client_for(server)
 
 
 @pytest.fixture(scope="module")
@@ -217,11 +236,16 @@ def test_metrics_report_batching_and_logprob_drift(server, base_sampler):
         future.result()
     metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
     sampling = metrics["sampling"][BASE_MODEL]
-    assert sampling["backend"] == "transformers" and sampling["requests"] >= 4
+    assert sampling["backend"] in ("transformers", "vllm") and sampling["requests"] >= 4
+    assert sampling["device"] == "cpu" and sampling["dtype"] == "float32"
     assert sampling["sampled_tokens"] > 0 and sampling["sampled_tokens_per_second"] > 0
     replica = sampling["replicas"][0]
-    assert replica["batches"] < sampling["requests"]  # concurrent requests shared batches
+    assert replica["decoded_tokens"] > 0
+    if sampling["backend"] == "transformers":
+        assert replica["batches"] < sampling["requests"]  # concurrent requests shared batches
     drift = sampling["logprob_drift"]
+    print(f"logprob drift, {sampling['backend']} sampler vs trainer (CPU, float32): max {drift['max_abs']:.2e} over "
+          f"{drift['probes']} probes")
     assert drift["probes"] >= 1 and drift["max_abs"] < 1e-4
 
 
@@ -267,3 +291,132 @@ def test_another_tenant_cannot_sample_private_weights(server, memorized):
         assert "not found" in str(failure.value)
     finally:
         stranger.close("success")
+
+
+def sampling_metrics(server) -> dict:
+    return httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()["sampling"][
+        BASE_MODEL]
+
+
+def test_topk_sample_logprobs_are_the_models_best(base_sampler, base_reference):
+    result = base_sampler.sample(types.ModelInput.from_ints(PROMPT), 2,
+                                 types.SamplingParams(max_tokens=5, temperature=1.0, seed=5),
+                                 topk_sample_logprobs=4).result()
+    for seq in result.sequences:
+        reference = full_logprobs(base_reference, PROMPT + seq.tokens)
+        assert len(seq.topk_logprobs) == len(seq.tokens)
+        for position, top in enumerate(seq.topk_logprobs):
+            values, ids = torch.topk(reference[len(PROMPT) - 1 + position], 4)
+            assert [t for t, _ in top] == ids.tolist()
+            np.testing.assert_allclose([v for _, v in top], values.numpy(), atol=1e-4)
+
+
+def test_many_concurrent_prompt_logprob_requests_on_mixed_adapters(service_client, server, base_sampler, memorized):
+    """Prompt logprobs of several requests in one engine step crashed vLLM's engine (and, on a GPU, dropped an
+    adapter's lm_head LoRA from them): each must equal the same request made alone, and the replica must live on."""
+    client, path = memorized
+    tuned = service_client.create_sampling_client(model_path=path).result()
+    other_client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=9).result()
+    train(other_client, make_datum(PROMPT[:4], TARGET[::-1]), 2, types.AdamParams(learning_rate=2e-2))
+    other = other_client.save_weights_and_get_sampling_client().result()
+    samplers = [base_sampler, tuned, other]
+    sequence = PROMPT + TARGET + PROMPT
+    prompts = [types.ModelInput.from_ints(sequence[: 3 + i // 3 % 11]) for i in range(18)]
+    pid = sampling_metrics(server)["replicas"][0]["pid"]
+    alone = [samplers[i % 3].compute_logprobs(prompt).result() for i, prompt in enumerate(prompts)]
+    futures = [samplers[i % 3].compute_logprobs(prompt) for i, prompt in enumerate(prompts)]  # all in flight at once
+    for i, (expected, future) in enumerate(zip(alone, futures)):
+        got = future.result()
+        assert got[0] is None and len(got) == len(expected), i
+        np.testing.assert_allclose(got[1:], expected[1:], atol=1e-4, err_msg=f"request {i}")
+    assert not np.allclose(alone[1][1:], alone[0][1:], atol=1e-3)  # the same prompt: the adapter's numbers differ
+    assert sampling_metrics(server)["replicas"][0]["pid"] == pid  # the replica never died
+
+
+def test_adapters_beyond_the_resident_limit_are_evicted_and_reloaded(service_client, server):
+    limit = sampling_metrics(server)["replicas"][0]["resident_limit"]
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=4).result()
+    paths = []
+    for i in range(limit + 2):  # each save holds other weights
+        train(client, make_datum(PROMPT, [TARGET[i % len(TARGET)]] * 3), 1, types.AdamParams(learning_rate=2e-2))
+        paths.append(client.save_weights_for_sampler(f"evict-{i}").result().path)
+    samplers = [service_client.create_sampling_client(model_path=path).result() for path in paths]
+    prompt = types.ModelInput.from_ints(PROMPT + TARGET)
+    first = [sampler.compute_logprobs(prompt).result() for sampler in samplers]
+    assert len({tuple(np.round(lps[1:], 4)) for lps in first}) == len(first)  # every save differs
+    assert sampling_metrics(server)["replicas"][0]["resident_adapters"] <= limit
+    again = samplers[0].compute_logprobs(prompt).result()  # evicted by now: loaded again, transparently
+    np.testing.assert_allclose(again[1:], first[0][1:], atol=1e-5)
+
+
+def test_unreadable_or_missing_sampler_weights_are_a_user_error(service_client, server, memorized, base_sampler):
+    import shutil
+
+    client, _ = memorized
+    prompt = types.ModelInput.from_ints(PROMPT)
+    corrupt = client.save_weights_for_sampler("to-be-corrupted").result().path
+    missing = client.save_weights_for_sampler("to-be-deleted").result().path
+    corrupt_sampler = service_client.create_sampling_client(model_path=corrupt).result()
+    missing_sampler = service_client.create_sampling_client(model_path=missing).result()
+    (checkpoint_dir(server.data_dir, corrupt) / "adapter_model.safetensors").write_bytes(b"not safetensors" * 4)
+    shutil.rmtree(checkpoint_dir(server.data_dir, missing))
+    for sampler in (corrupt_sampler, missing_sampler):
+        with pytest.raises(tinker.RequestFailedError) as failure:
+            sampler.sample(prompt, 1, GREEDY).result()
+        assert failure.value.category == types.RequestErrorCategory.User, str(failure.value)
+    assert base_sampler.sample(prompt, 1, GREEDY).result().sequences[0].tokens  # the replica still serves
+
+
+def test_fields_the_backend_cannot_serve_are_user_errors(server, base_sampler, base_reference):
+    """vLLM scores given prompt tokens only in its V2 model runner, which vLLM's CPU build lacks and whose prompt
+    LoRA mapping is wrong in 0.32: the vLLM backend refuses ``target_prompt_logprobs`` and ``prompt_alt_tokens_k``
+    with a clear user error (the README's table says so); the transformers backend serves them."""
+    prompt = types.ModelInput.from_ints(PROMPT)
+    ids = np.tile(np.array([[5, 9]], dtype=np.int64), (len(PROMPT) - 1, 1))
+    target = types.TensorData(data=ids.flatten().tolist(), dtype="int64", shape=list(ids.shape))
+    asks = {"target_prompt_logprobs": target, "prompt_alt_tokens_k": 2}
+    for field, value in asks.items():
+        future = base_sampler.sample(prompt, 1, GREEDY, **{field: value})
+        if sampling_metrics(server)["backend"] == "vllm":
+            with pytest.raises(tinker.RequestFailedError) as failure:
+                future.result()
+            assert failure.value.category == types.RequestErrorCategory.User
+            assert "not supported by the vLLM sampler" in str(failure.value)
+        elif field == "target_prompt_logprobs":
+            got = future.result().target_prompt_logprobs.to_numpy()
+            expected = np.take_along_axis(full_logprobs(base_reference, PROMPT)[:-1].numpy(), ids, axis=1)
+            np.testing.assert_allclose(got, expected, atol=1e-4)
+        else:
+            assert future.result().prompt_alt_tokens is not None
+
+
+def test_a_dead_vllm_engine_fails_its_request_as_a_server_error_and_the_replica_restarts(server, base_sampler):
+    """Runs last in this module: it kills the vLLM engine process under a running request."""
+    import time
+
+    import psutil
+
+    before = sampling_metrics(server)
+    if before["backend"] != "vllm":
+        pytest.skip("the transformers sampler has no engine process of its own; a killed sampler actor is tested in "
+                    "test_reliability.py")
+    replica = before["replicas"][0]
+    prompt = types.ModelInput.from_ints(PROMPT)
+    running = base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1900, temperature=1.0, stop=[]))
+    deadline = time.monotonic() + 60
+    while sampling_metrics(server)["replicas"][0]["decoded_tokens"] == replica["decoded_tokens"]:
+        assert time.monotonic() < deadline, "the long request never started decoding"
+        time.sleep(0.05)
+    engines = [p for p in psutil.Process(replica["pid"]).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    assert len(engines) == 1, engines
+    engines[0].kill()
+    with pytest.raises(tinker.RequestFailedError) as failure:
+        running.result()
+    assert failure.value.category == types.RequestErrorCategory.Server
+    assert "vLLM engine of this sampler died" in str(failure.value)
+    # A request made now waits for the restarted replica instead of failing.
+    again = base_sampler.sample(prompt, 1, GREEDY).result()
+    assert len(again.sequences[0].tokens) == len(TARGET)
+    after = sampling_metrics(server)["replicas"][0]
+    assert after["pid"] != replica["pid"] and after["engine_dead"] is None
+    assert "the vLLM engine died" in server.log()

@@ -150,6 +150,9 @@ def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, 
     with pytest.raises(tinker.RequestFailedError) as info:
         service_client.create_lora_training_client(base_model="no-such/model", rank=4).result()
     assert info.value.category == types.RequestErrorCategory.User and "unknown base model" in str(info.value)
+    with pytest.raises(tinker.RequestFailedError) as info:  # the samplers could not load it: refused up front
+        service_client.create_lora_training_client(base_model=BASE_MODEL, rank=256).result()
+    assert info.value.category == types.RequestErrorCategory.User and "--max-lora-rank 128" in str(info.value)
 
     client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
     tokens, targets, weights = datum_arrays(datum)
