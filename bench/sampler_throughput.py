@@ -68,7 +68,7 @@ def main() -> None:
     rows = asyncio.run(measure())
     for row in rows:
         row["relative_to_base"] = row["tokens_per_second"] / rows[0]["tokens_per_second"]
-    write("sampler_throughput", vars(args), rows)
+    write(f"sampler_throughput_{args.backend}", vars(args), rows)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ def skip_without_vllm() -> None:
 
 
 def logprob_tolerance(dtype: str) -> float:
-    """How close a sampler's logprobs come to an fp32 reference (the trainer, or transformers + peft): ~1e-6
-    measured in float32 (1e-4 asserted); in bfloat16 / float16, a GPU's usual dtypes, about 1e-2 (5e-2 asserted)."""
-    return 1e-4 if dtype == "float32" else 5e-2
+    """How close a sampler's logprobs come to another computation of them (the trainer, transformers + peft, the same
+    request batched differently): ~1e-6 measured in float32 (1e-4 asserted); in bfloat16 / float16, a GPU's usual
+    dtypes, about 1e-2 typically, so 1e-1 is asserted for the largest gap over a sequence."""
+    return 1e-4 if dtype == "float32" else 1e-1
 
 
 def service_client_for(server):
