@@ -45,6 +45,21 @@ def service_client_for(server):
     client.close("success")
 
 
+def on_both_sampler_backends():
+    """``server`` and ``service_client`` fixtures for a module whose every test runs once per sampler backend
+    (``backend_server`` in conftest): ``server, service_client = on_both_sampler_backends()`` at its top."""
+
+    @pytest.fixture(scope="module", name="server")
+    def server(backend_server):
+        return backend_server
+
+    @pytest.fixture(scope="module", name="service_client")
+    def service_client(server):
+        yield from service_client_for(server)
+
+    return server, service_client
+
+
 def poll_future(url: str, request_id: str, key: str, deadline_s: float = 120) -> dict | bytes:
     """Poll a future to its end over raw HTTP, as the SDK does: its JSON body, or the protobuf bytes of a
     forward / forward_backward result."""

@@ -1,5 +1,5 @@
 """The OpenAI facade through the real ``openai`` SDK (sync and async) against the real server, on base models and on
-an adapter trained in the same test session by the real ``tinker`` SDK."""
+an adapter trained in the same test session by the real ``tinker`` SDK, once per sampler backend."""
 
 from __future__ import annotations
 
@@ -13,21 +13,12 @@ import pytest
 from tinker import types
 from transformers import AutoTokenizer
 
-from tests.helpers import BASE_MODEL, make_datum, service_client_for, train
+from tests.helpers import BASE_MODEL, make_datum, on_both_sampler_backends, train
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TARGET = "The capital of France is Paris."
 
-
-@pytest.fixture(scope="module")
-def server(backend_server):
-    """Every test here runs against both sampler backends (``backend_server`` in conftest)."""
-    return backend_server
-
-
-@pytest.fixture(scope="module")
-def service_client(server):
-    yield from service_client_for(server)
+server, service_client = on_both_sampler_backends()  # every test here runs once per sampler backend
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "
 
 @pytest.fixture(scope="module")
 def server(backend_server):
-    """Every test here runs against both sampler backends (``backend_server`` in conftest)."""
+    """The script runs against both sampler backends (``backend_server`` in conftest)."""
     return backend_server
 
 
@@ -23,14 +23,16 @@ def server(backend_server):
 @pytest.mark.parametrize("use_tokenizer", [False, True], ids=["token-ids", "USE_TOKENIZER=1"])
 def test_tinker_minimal_runs_to_the_end(server, use_tokenizer):
     env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": "tml-reference-script",
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1",
+           # if the script's process dies of a signal, every thread's Python stack is on its stderr (in the message)
+           "PYTHONFAULTHANDLER": "1"}
     env.pop("USE_TOKENIZER", None)
     if use_tokenizer:
         env["USE_TOKENIZER"] = "1"
     done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300,
                           check=False)
     out = done.stdout
-    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert done.returncode == 0, f"exit status {done.returncode}\n{out}\nstderr:\n{done.stderr[-6000:]}"
     assert "models: ['compat-server/tiny-qwen3']" in out
     steps = re.findall(r"step (\d): metrics=\{'loss:sum': ([0-9.]+)\}", out)
     assert [s for s, _ in steps] == ["0", "1", "2"], out

@@ -1,5 +1,6 @@
-"""The tinker SDK, unmodified, samples from base models and trained adapters on the real server (transformers
-backend on CPU), and every number it gets back is checked against transformers + peft run here, in the test."""
+"""The tinker SDK, unmodified, samples from base models and trained adapters on the real server, once per sampler
+backend (transformers; vLLM, on CPU through its CPU build), and every number it gets back is checked against
+transformers + peft run here, in the test, or against the trainer."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from tests.helpers import (
     checkpoint_dir,
     forward_logprobs,
     make_datum,
+    on_both_sampler_backends,
     reference_peft_model,
-    service_client_for,
     train,
 )
 
@@ -26,16 +27,7 @@ PROMPT = [11, 42, 77, 103, 250, 19, 7]
 TARGET = [301, 17, 96, 45]
 GREEDY = types.SamplingParams(max_tokens=len(TARGET), temperature=0.0)
 
-
-@pytest.fixture(scope="module")
-def server(backend_server):
-    """Every test here runs against both sampler backends (``backend_server`` in conftest)."""
-    return backend_server
-
-
-@pytest.fixture(scope="module")
-def service_client(server):
-    yield from service_client_for(server)
+server, service_client = on_both_sampler_backends()  # every test here runs once per sampler backend
 
 
 @pytest.fixture(scope="module")
