@@ -6,6 +6,7 @@ is the directory renamed into place and recorded — so a checkpoint half-writte
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -54,7 +55,11 @@ MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
 
 
 class CheckpointStore:
-    """Maps tinker paths onto ``root``, publishes checkpoint directories atomically, and applies the TTL rules."""
+    """Maps tinker paths onto ``root``, publishes checkpoint directories atomically, and applies the TTL rules.
+
+    Every save is its own directory, ``ROOT/RUN/KIND/NAME/UID``: a checkpoint deleted and saved again under the same
+    name gets a new ``uid`` and a new directory, so a handle opened on the old save (a sampling session, a signed
+    download URL) can never reach the new files, whoever owns them."""
 
     def __init__(self, root: Path, min_ttl_seconds: float = 3600) -> None:
         self.root = root
@@ -64,10 +69,29 @@ class CheckpointStore:
 
     def _discard_abandoned(self) -> int:
         """Staging directories left by a process that died mid-save: never published, never recorded, deleted."""
-        abandoned = [d for d in self.root.glob("*/*/.staging-*") if d.is_dir()]
+        abandoned = [d for d in self.root.glob("*/*/*/.staging-*") if d.is_dir()]
         for directory in abandoned:
             shutil.rmtree(directory, ignore_errors=True)
         return len(abandoned)
+
+    def adopt_unversioned(self, rows: list[dict]) -> int:
+        """Move checkpoints saved before per-save directories existed (files directly in ``NAME``) into
+        ``NAME/UID``, the uid their record was given on upgrade. Returns how many moved."""
+        moved = 0
+        for row in rows:
+            old = self._name_dir(row["tinker_path"])
+            if not old.is_dir() or not any(entry.is_file() for entry in old.iterdir()):
+                continue
+            temporary = old.with_name(f".staging-{old.name}-{uuid.uuid4().hex[:8]}")
+            os.rename(old, temporary)
+            old.mkdir()
+            os.rename(temporary, old / row["uid"])
+            moved += 1
+        return moved
+
+    @staticmethod
+    def new_uid() -> str:
+        return uuid.uuid4().hex
 
     def expiry(self, ttl_seconds: float | None) -> str | None:
         """When a checkpoint given ``ttl_seconds`` from now expires (None: never). Tinker's range is one hour
@@ -79,40 +103,47 @@ class CheckpointStore:
                             f"(ten years), or None for no expiry; got {ttl_seconds}")
         return (datetime.now(UTC) + timedelta(seconds=ttl_seconds)).isoformat()
 
-    def readable(self, records: Records, owner: str, path: str, what: str = "checkpoint") -> tuple[dict, Path]:
-        """A checkpoint's record and directory, if ``owner`` may read it (its own, or a published one) and it is
-        there; otherwise "not found", exactly as for a path that never existed."""
+    def readable(self, records: Records, owner: str, path: str, what: str = "checkpoint",
+                  uid: str | None = None) -> tuple[dict, Path]:
+        """A checkpoint's record and directory, checked now: it exists, has not expired, ``owner`` may read it (its
+        own, or a published one), and — given ``uid`` — it is still that very save, not a later one under the same
+        name. Otherwise "not found", exactly as for a path that never existed."""
         parse_path(path)
         row = records.checkpoint(path, owner)
-        directory = self.directory(path)
-        if row is None or not directory.exists():
+        if row is None or (uid is not None and row["uid"] != uid):
+            raise NotFound(f"{what} {path} not found" if uid is None else
+                           f"{what} {path} is no longer available to this key: it was deleted, replaced by a new "
+                           "save, unpublished or has expired")
+        directory = self.directory(path, row["uid"])
+        if not directory.exists():
             raise NotFound(f"{what} {path} not found")
         return row, directory
 
-    def directory(self, path: str) -> Path:
+    def _name_dir(self, path: str) -> Path:
         parsed = parse_path(path)
         return self.root / parsed.training_run_id / parsed.checkpoint_id
 
+    def directory(self, path: str, uid: str) -> Path:
+        """Where the save ``uid`` of ``path`` lies."""
+        if not uid or not uid.isalnum():
+            raise ValueError(f"invalid checkpoint uid {uid!r}")
+        return self._name_dir(path) / uid
+
     def staging(self, path: str) -> Path:
         """A fresh hidden directory on the same filesystem as the final one, for the writer to fill."""
-        final = self.directory(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        return final.parent / f".staging-{final.name}-{uuid.uuid4().hex[:8]}"
+        parent = self._name_dir(path)
+        parent.mkdir(parents=True, exist_ok=True)
+        return parent / f".staging-{uuid.uuid4().hex[:8]}"
 
-    def publish(self, staging: Path, path: str, overwrite: bool) -> int:
-        """fsync the staged files, rename the directory into place, and return its size in bytes."""
-        final = self.directory(path)
+    def publish(self, staging: Path, path: str, uid: str) -> int:
+        """fsync the staged files, rename the directory into place as save ``uid``, and return its size in bytes."""
+        final = self.directory(path, uid)
         size = 0
         for file in staging.rglob("*"):
             if file.is_file():
                 size += file.stat().st_size
                 with open(file, "rb") as handle:
                     os.fsync(handle.fileno())
-        if final.exists():
-            if not overwrite:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise UserError(f"checkpoint {path} already exists; pass overwrite=True or choose another name")
-            shutil.rmtree(final)
         os.rename(staging, final)
         dir_fd = os.open(final.parent, os.O_RDONLY)
         try:
@@ -124,5 +155,9 @@ class CheckpointStore:
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
-    def delete(self, path: str) -> None:
-        shutil.rmtree(self.directory(path), ignore_errors=True)
+    def delete(self, path: str, uid: str) -> None:
+        """Delete the files of save ``uid`` (and the name's directory once no save is left in it)."""
+        directory = self.directory(path, uid)
+        shutil.rmtree(directory, ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty: a newer save, or one being staged, lives there
+            directory.parent.rmdir()

@@ -16,10 +16,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from adapters.base_models import BaseModelSpec
-from adapters.sampler import AdapterRef
 from compat_server.quotas import KeyQuota
 from compat_server.records import Records
-from compat_server.sampling import ModelNotFound, SamplingService
+from compat_server.sampling import ModelNotFound, SamplingService, Target
 from shims.errors import UserError
 from shims.openai_wire import (
     ChatRequest,
@@ -51,8 +50,7 @@ class Prepared:
     chat: bool
     owner: str
     model: str
-    base_model: str
-    adapter: AdapterRef | None
+    target: Target
     vocab: Vocabulary
     jobs: list[SampleJob]
     logprobs: bool
@@ -133,14 +131,14 @@ class CompletionsService:
         req = parse_request(ChatRequest if chat else CompletionRequest, body)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        base_model, adapter = self.sampling.resolve_model(owner, req.model)
-        vocab = self.vocabulary(base_model)
+        target = self.sampling.resolve_model(owner, req.model)
+        vocab = self.vocabulary(target.base_model)
         prompts = [vocab.render_chat(chat_messages(req))] if chat else completion_prompts(req, vocab.encode)
         jobs = []
         for prompt in prompts:
             sample, penalties = sample_request(req, prompt)
             try:
-                job = decode_sample_request(sample, self.sampling.limits[base_model])
+                job = decode_sample_request(sample, self.sampling.limits[target.base_model])
             except UserError as exc:
                 raise OpenAIError(400, str(exc)) from None
             jobs.append(replace(job, presence_penalty=penalties.presence, frequency_penalty=penalties.frequency))
@@ -148,7 +146,7 @@ class CompletionsService:
         if req.user:
             log.debug("%s request from user %r on %s", "chat" if chat else "completion", req.user, req.model)
         return Prepared(
-            chat=chat, owner=owner, model=req.model, base_model=base_model, adapter=adapter, vocab=vocab, jobs=jobs,
+            chat=chat, owner=owner, model=req.model, target=target, vocab=vocab, jobs=jobs,
             logprobs=wants_logprobs, stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()))
@@ -157,7 +155,7 @@ class CompletionsService:
         """The whole response; counts against the key's ``--max-pending-per-key`` while it is sampled."""
         with self.quota.hold(p.owner):
             results: list[SampleResult] = await asyncio.gather(
-                *(self.sampling.run_job(p.base_model, p.adapter, job) for job in p.jobs))
+                *(self.sampling.run_job(p.target, job) for job in p.jobs))
         choices = []
         for i, result in enumerate(results):
             for j, seq in enumerate(result.sequences):
@@ -198,7 +196,7 @@ class CompletionsService:
                     for j in range(job.num_samples):
                         yield _sse(chat_chunk(p.vocab, *header, index=p.choice_index(i, j),
                                               role=True, content=""))
-                async for item in self.sampling.stream_job(p.base_model, p.adapter, job):
+                async for item in self.sampling.stream_job(p.target, job):
                     if isinstance(item, SampleResult):
                         for j, seq in enumerate(item.sequences):
                             done = len(assemblers[j].tokens)

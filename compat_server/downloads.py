@@ -1,8 +1,11 @@
 """Time-limited signed URLs for checkpoint files, served by this server itself.
 
-A URL names one file of one checkpoint and an expiry time, signed with HMAC-SHA256 under a key kept in the data
-directory (created once, readable by the server's user only), so URLs stay valid across restarts and anyone holding
-one can fetch the file with plain HTTP until it expires, without an API key.
+A URL names one file of one save of a checkpoint (its uid), the key it was given to, and an expiry time, signed with
+HMAC-SHA256 under a key kept in the data directory (created once, readable by the server's user only), so URLs stay
+valid across restarts and its holder can fetch the file with plain HTTP, without an API key, until it expires — and
+only while that key may still read that save (checked at every download by ``RunsService.download_file``).
+
+The key appears in a URL only as ``grantee``: an HMAC of its tenant identity, which reveals nothing of the key.
 """
 
 from __future__ import annotations
@@ -12,7 +15,20 @@ import hmac
 import os
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlencode
+
+
+@dataclass(frozen=True)
+class DownloadGrant:
+    """What a download URL was issued for."""
+
+    tinker_path: str
+    uid: str
+    """The save it names: a later save under the same path has another uid."""
+    grantee: str
+    """``UrlSigner.grantee`` of the key that asked for the URL."""
 
 
 class UrlSigner:
@@ -25,16 +41,21 @@ class UrlSigner:
                 handle.write(secrets.token_bytes(32))
         self._key = key_path.read_bytes()
 
-    def _signature(self, tinker_path: str, file: str, expires: int) -> str:
-        message = f"{tinker_path}\n{file}\n{expires}".encode()
+    def grantee(self, owner: str) -> str:
+        """An opaque, stable stand-in for a tenant in URLs."""
+        return hmac.new(self._key, f"grantee\n{owner}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _signature(self, grant: DownloadGrant, file: str, expires: int) -> str:
+        message = f"{grant.tinker_path}\n{grant.uid}\n{grant.grantee}\n{file}\n{expires}".encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
-    def sign(self, tinker_path: str, file: str) -> tuple[int, str]:
-        """(expiry as a unix time, signature) for a URL to ``file`` of ``tinker_path``."""
+    def sign(self, grant: DownloadGrant, file: str) -> tuple[int, str]:
+        """(expiry as a unix time, the URL's query string) for a URL to ``file`` under ``grant``."""
         expires = int(time.time() + self.ttl_seconds)
-        return expires, self._signature(tinker_path, file, expires)
+        return expires, urlencode({"expires": expires, "checkpoint": grant.uid, "grantee": grant.grantee,
+                                   "signature": self._signature(grant, file, expires)})
 
-    def valid(self, tinker_path: str, file: str, expires: int, signature: str) -> bool:
+    def valid(self, grant: DownloadGrant, file: str, expires: int, signature: str) -> bool:
         """The signature matches (compared in constant time) and the expiry has not passed."""
-        expected = self._signature(tinker_path, file, expires)
+        expected = self._signature(grant, file, expires)
         return hmac.compare_digest(expected.encode(), signature.encode()) and time.time() < expires

@@ -15,7 +15,9 @@ from sqlite_utils.db import NotFoundError
 
 from compat_server.telemetry import RESIDENT_ADAPTERS, traced
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: checkpoints carry ``uid`` (one per save: a later save under the same name never shares it) and sampling
+sessions the ``checkpoint_uid`` they were opened on."""
 
 _LIVE = "(expires_at is null or expires_at > ?)"
 """Where-clause for checkpoints not yet expired; its parameter is ``now()``."""
@@ -39,8 +41,6 @@ class Records:
     def _create_schema(self) -> None:
         db = self.db
         db["schema_version"].create({"version": int, "applied": str}, pk="version", if_not_exists=True)
-        if not db["schema_version"].count:
-            db["schema_version"].insert({"version": SCHEMA_VERSION, "applied": now()})
         db["sessions"].create({
             "id": str, "owner": str, "created": str, "last_heartbeat": str, "tags": str, "user_metadata": str,
             "sdk_version": str, "project_id": str, "finished": str, "finish_reason": str,
@@ -57,11 +57,11 @@ class Records:
         db["checkpoints"].create({
             "tinker_path": str, "training_run_id": str, "checkpoint_id": str, "kind": str, "owner": str,
             "base_model": str, "size_bytes": int, "created": str, "expires_at": str, "public": int,
-            "user_metadata": str,
+            "user_metadata": str, "uid": str,
         }, pk="tinker_path", if_not_exists=True)
         db["samplers"].create({
             "id": str, "session_id": str, "owner": str, "base_model": str, "kind": str, "model_path": str,
-            "model_id": str, "adapter_key": str, "adapter_dir": str, "created": str,
+            "model_id": str, "adapter_key": str, "adapter_dir": str, "created": str, "checkpoint_uid": str,
         }, pk="id", if_not_exists=True)
         db["stability_records"].create({
             "sequence_id": str, "session_id": str, "owner": str, "prompt": str, "tokens": str, "logprobs": str,
@@ -82,6 +82,22 @@ class Records:
         db["stability_records"].create_index(["last_used"], if_not_exists=True)
         db["api_keys"].create_index(["name"], unique=True, if_not_exists=True)
         db["api_keys"].create_index(["owner"], if_not_exists=True)
+        self._upgrade()
+
+    def _upgrade(self) -> None:
+        """Bring a records file written by an older version up to ``SCHEMA_VERSION``."""
+        db = self.db
+        versions = [row["version"] for row in db["schema_version"].rows]
+        if 1 in versions and 2 not in versions:
+            # checkpoints saved before identities existed get one each now; sampling sessions opened on them have
+            # none, so they stop at their next use and are opened again (an unknown identity is never trusted)
+            for table, column in (("checkpoints", "uid"), ("samplers", "checkpoint_uid")):
+                if column not in db[table].columns_dict:
+                    db[table].add_column(column, str)
+            with db.conn:
+                db.conn.execute("UPDATE checkpoints SET uid = lower(hex(randomblob(16))) WHERE uid IS NULL")
+        if SCHEMA_VERSION not in versions:
+            db["schema_version"].insert({"version": SCHEMA_VERSION, "applied": now()})
 
     # ---- sessions -------------------------------------------------------------------------------------------------
     def create_session(self, session_id: str, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
@@ -199,14 +215,25 @@ class Records:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     @traced("records.add_checkpoint")
-    def add_checkpoint(self, tinker_path: str, *, training_run_id: str, checkpoint_id: str, kind: str, owner: str,
-                       base_model: str, size_bytes: int, expires_at: str | None,
-                       user_metadata: dict[str, str] | None) -> None:
+    def add_checkpoint(self, tinker_path: str, *, uid: str, training_run_id: str, checkpoint_id: str, kind: str,
+                       owner: str, base_model: str, size_bytes: int, expires_at: str | None,
+                       user_metadata: dict[str, str] | None) -> dict | None:
+        """Record a new save under ``tinker_path`` (identity ``uid``); returns the record it replaced, if any
+        (an overwritten or an expired, not yet swept, checkpoint), whose files the caller deletes."""
+        try:
+            replaced = self.db["checkpoints"].get(tinker_path)
+        except NotFoundError:
+            replaced = None
         self.db["checkpoints"].insert({
             "tinker_path": tinker_path, "training_run_id": training_run_id, "checkpoint_id": checkpoint_id,
             "kind": kind, "owner": owner, "base_model": base_model, "size_bytes": size_bytes, "created": now(),
-            "expires_at": expires_at, "public": 0, "user_metadata": json.dumps(user_metadata or {}),
+            "expires_at": expires_at, "public": 0, "user_metadata": json.dumps(user_metadata or {}), "uid": uid,
         }, replace=True)
+        return replaced
+
+    def all_checkpoints(self) -> list[dict]:
+        """Every recorded checkpoint, expired or not (start-up housekeeping)."""
+        return list(self.db["checkpoints"].rows)
 
     def live_checkpoint(self, tinker_path: str) -> dict | None:
         """A checkpoint's record unless it is missing or expired, whoever owns it (callers check access)."""
@@ -239,13 +266,16 @@ class Records:
     def set_checkpoint_expiry(self, tinker_path: str, expires_at: str | None) -> None:
         self.db["checkpoints"].update(tinker_path, {"expires_at": expires_at})
 
-    def expired_checkpoints(self) -> list[str]:
-        """Paths of checkpoints whose expiry has passed (still recorded until the sweep deletes them)."""
-        return [row["tinker_path"] for row in self.db["checkpoints"].rows_where(
-            "expires_at is not null and expires_at <= ?", [now()], select="tinker_path")]
+    def expired_checkpoints(self) -> list[tuple[str, str]]:
+        """(path, uid) of checkpoints whose expiry has passed (still recorded until the sweep deletes them)."""
+        return [(row["tinker_path"], row["uid"]) for row in self.db["checkpoints"].rows_where(
+            "expires_at is not null and expires_at <= ?", [now()], select="tinker_path, uid")]
 
-    def delete_checkpoint(self, tinker_path: str) -> None:
-        self.db["checkpoints"].delete(tinker_path)
+    def delete_checkpoint(self, tinker_path: str, uid: str) -> bool:
+        """Forget the checkpoint saved as ``uid`` (never a later save under the same path); False if it is gone."""
+        with self.db.conn:
+            return self.db.conn.execute("DELETE FROM checkpoints WHERE tinker_path = ? AND uid = ?",
+                                        [tinker_path, uid]).rowcount > 0
 
     def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
         self.db["checkpoints"].update(tinker_path, {"public": int(public)})
@@ -280,13 +310,13 @@ class Records:
     # ---- sampling sessions ----------------------------------------------------------------------------------------
     def create_sampler(self, sampler_id: str, *, session_id: str, owner: str, base_model: str, kind: str,
                        model_path: str | None = None, model_id: str | None = None, adapter_key: str | None = None,
-                       adapter_dir: str | None = None) -> None:
+                       adapter_dir: str | None = None, checkpoint_uid: str | None = None) -> None:
         """``kind`` is ``base``, ``checkpoint`` (a saved sampler checkpoint), ``snapshot`` (ephemeral weights saved
         by save_weights_and_get_sampling_client) or ``inflight`` (the training model's shared, mutable weights)."""
         self.db["samplers"].insert({
             "id": sampler_id, "session_id": session_id, "owner": owner, "base_model": base_model, "kind": kind,
             "model_path": model_path, "model_id": model_id, "adapter_key": adapter_key, "adapter_dir": adapter_dir,
-            "created": now(),
+            "created": now(), "checkpoint_uid": checkpoint_uid,
         })
 
     def sampler(self, sampler_id: str, owner: str) -> dict | None:

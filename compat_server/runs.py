@@ -21,7 +21,7 @@ from tinker import types
 
 from adapters.trainer import read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
-from compat_server.downloads import UrlSigner
+from compat_server.downloads import DownloadGrant, UrlSigner
 from compat_server.records import Records
 from compat_server.training import model_id_for
 from shims.errors import NotFound, UserError
@@ -86,27 +86,28 @@ class RunsService:
         return types.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows],
                                              cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
 
-    def _owned_checkpoint(self, owner: str, training_run_id: str, checkpoint_id: str) -> str:
+    def _owned_checkpoint(self, owner: str, training_run_id: str, checkpoint_id: str) -> dict:
         path = f"tinker://{training_run_id}/{checkpoint_id}"
         parse_path(path)
         row = self.records.checkpoint(path, owner)
         if row is None or row["owner"] != owner:  # a published checkpoint of another tenant is read-only
             raise NotFound(f"checkpoint {path} not found")
-        return path
+        return row
 
     def delete_checkpoint(self, owner: str, training_run_id: str, checkpoint_id: str) -> None:
-        path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)
-        self.records.delete_checkpoint(path)
-        self.checkpoints.delete(path)
+        row = self._owned_checkpoint(owner, training_run_id, checkpoint_id)
+        path = row["tinker_path"]
+        self.records.delete_checkpoint(path, row["uid"])
+        self.checkpoints.delete(path, row["uid"])
         log.info("checkpoint deleted: %s", path)
 
     def set_public(self, owner: str, training_run_id: str, checkpoint_id: str, public: bool) -> None:
-        path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)
+        path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)["tinker_path"]
         self.records.set_checkpoint_public(path, public)
         log.info("checkpoint %s: %s", "published" if public else "unpublished", path)
 
     def set_ttl(self, owner: str, training_run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
-        path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)
+        path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)["tinker_path"]
         self.records.set_checkpoint_expiry(path, self.checkpoints.expiry(ttl_seconds))
         log.info("checkpoint %s expires %s", path, f"in {ttl_seconds} s" if ttl_seconds is not None else "never")
 
@@ -119,26 +120,34 @@ class RunsService:
                                          train_attn=spec.train_attn)
 
     def download_urls(self, owner: str, tinker_path: str, base_url: str) -> types.ExternalWeightsUrlsResponse:
-        """One signed URL per file of the checkpoint, for plain-HTTP download until they expire."""
-        _, directory = self.checkpoints.readable(self.records, owner, tinker_path)
+        """One signed URL per file of the checkpoint, for plain-HTTP download until they expire. A URL names this
+        save (its uid) and the key it was given to, so it stops working when that key may no longer read it."""
+        row, directory = self.checkpoints.readable(self.records, owner, tinker_path)
+        grant = DownloadGrant(tinker_path=tinker_path, uid=row["uid"], grantee=self.signer.grantee(owner))
         urls, expires = {}, 0
         parsed = parse_path(tinker_path)
         for file in sorted(f.relative_to(directory).as_posix() for f in directory.rglob("*") if f.is_file()):
-            expires, signature = self.signer.sign(tinker_path, file)
+            expires, query = self.signer.sign(grant, file)
             urls[file] = (f"{base_url.rstrip('/')}/api/v1/download/{parsed.training_run_id}/{parsed.checkpoint_id}/"
-                          f"{quote(file)}?expires={expires}&signature={signature}")
+                          f"{quote(file)}?{query}")
         return types.ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, UTC))
 
-    def download_file(self, tinker_path: str, file: str, expires: int, signature: str) -> Path:
-        """The file a signed URL names; a tampered or expired URL is refused, a deleted checkpoint is gone."""
-        if not self.signer.valid(tinker_path, file, expires, signature):
+    def download_file(self, grant: DownloadGrant, file: str, expires: int, signature: str) -> Path:
+        """The file a signed URL names, if the URL is intact and unexpired and — checked now, not when it was
+        signed — its save still exists, unexpired, and may be read by the key it was given to (published, or
+        that key's own)."""
+        if not self.signer.valid(grant, file, expires, signature):
             raise PermissionDeniedException("this download URL is invalid or has expired; ask for new URLs")
-        directory = self.checkpoints.directory(tinker_path)
+        row = self.records.live_checkpoint(grant.tinker_path)
+        if row is None or row["uid"] != grant.uid:
+            raise NotFound(f"{grant.tinker_path} no longer exists as it was when this URL was made")
+        if not row["public"] and self.signer.grantee(row["owner"]) != grant.grantee:
+            raise PermissionDeniedException(f"{grant.tinker_path} is no longer published; its owner can ask for new "
+                                            "URLs")
+        directory = self.checkpoints.directory(grant.tinker_path, grant.uid)
         target = (directory / file).resolve()
-        # the signature already grants access: only existence (and staying inside the checkpoint) is checked
-        if (self.records.live_checkpoint(tinker_path) is None or not target.is_file()
-                or directory.resolve() not in target.parents):
-            raise NotFound(f"{file} of {tinker_path} no longer exists")
+        if not target.is_file() or directory.resolve() not in target.parents:
+            raise NotFound(f"{file} of {grant.tinker_path} no longer exists")
         return target
 
     def copy_weights(self, owner: str, req: types.CopyWeightsRequest) -> types.CopyWeightsResponse:
@@ -164,17 +173,17 @@ class RunsService:
         source = parse_path(req.source_path)
         path = tinker_path(run_id, source.checkpoint_type, source.checkpoint_id.split("/", 1)[1])
         expires = self.checkpoints.expiry(req.ttl_seconds)
-        staging = self.checkpoints.staging(path)
+        staging, uid = self.checkpoints.staging(path), self.checkpoints.new_uid()
         try:
             shutil.copytree(directory, staging, copy_function=os.link)
-            size = self.checkpoints.publish(staging, path, overwrite=False)
+            size = self.checkpoints.publish(staging, path, uid)
         finally:
             self.checkpoints.discard(staging)
         self.records.create_model(run_id, session_id=req.session_id or "", owner=owner, base_model=row["base_model"],
                                   lora=asdict(read_lora_spec(directory)),
                                   user_metadata={"copied_from": req.source_path})
         self.records.set_model_status(run_id, "a read-only copy")
-        self.records.add_checkpoint(path, training_run_id=run_id, checkpoint_id=source.checkpoint_id,
+        self.records.add_checkpoint(path, uid=uid, training_run_id=run_id, checkpoint_id=source.checkpoint_id,
                                     kind=source.checkpoint_type, owner=owner, base_model=row["base_model"],
                                     size_bytes=size, expires_at=expires, user_metadata=None)
         log.info("checkpoint copied: %s → %s", req.source_path, path)
@@ -182,12 +191,12 @@ class RunsService:
 
     def sweep_expired(self) -> int:
         """Delete every expired checkpoint from the records and the disk; returns how many."""
-        paths = self.records.expired_checkpoints()
-        for path in paths:
-            self.records.delete_checkpoint(path)
-            self.checkpoints.delete(path)
-            log.info("checkpoint expired and deleted: %s", path)
-        return len(paths)
+        expired = self.records.expired_checkpoints()
+        for path, uid in expired:
+            if self.records.delete_checkpoint(path, uid):  # not if saved again under the same name meanwhile
+                self.checkpoints.delete(path, uid)
+                log.info("checkpoint expired and deleted: %s", path)
+        return len(expired)
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> types.ListSessionsResponse:
         limit, offset = _page(limit, offset)

@@ -14,7 +14,7 @@ import logging
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,20 @@ log = logging.getLogger("compat_server.sampling")
 
 class ModelNotFound(NotFound):
     """A model name or path that names nothing this caller may sample (the OpenAI routes answer 404)."""
+
+
+def _base_weights() -> AdapterRef | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one request samples from: a base model, and the weights on it. ``weights()`` is called when the request
+    runs and checks again, at that moment, that the caller may still use them: a checkpoint unpublished, deleted,
+    saved again under its name or expired since the request (or its sampling session) began is refused then."""
+
+    base_model: str
+    weights: Callable[[], AdapterRef | None] = _base_weights
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,7 @@ class SamplingService:
                 raise UserError(f"{req.model_path} was trained on {ckpt['base_model']}, not {req.base_model}")
             self.records.create_sampler(sampler_id, session_id=req.session_id, owner=owner,
                                         base_model=ckpt["base_model"], kind="checkpoint", model_path=req.model_path,
-                                        adapter_key=ref.key, adapter_dir=ref.directory)
+                                        adapter_key=ref.key, adapter_dir=ref.directory, checkpoint_uid=ckpt["uid"])
         elif req.base_model:
             self._base(req.base_model)
             self.records.create_sampler(sampler_id, session_id=req.session_id, owner=owner,
@@ -177,17 +191,18 @@ class SamplingService:
             raise UserError(f"unknown base model {name!r}; this server serves: {', '.join(self.base_models)}")
         return spec
 
-    def _sampler_checkpoint(self, owner: str, path: str) -> tuple[dict, AdapterRef]:
-        """The checkpoint's record and the weights it names. The key includes the save time, so weights saved
-        again under a reused name are never mistaken for the ones a sampler already holds."""
+    def _sampler_checkpoint(self, owner: str, path: str, uid: str | None = None) -> tuple[dict, AdapterRef]:
+        """The checkpoint's record and the weights it names, checked now (given ``uid``: still that save). The key
+        and directory are the save's own, so weights saved again under a reused name are never mistaken for the
+        ones a sampler already holds."""
         parsed = parse_path(path)
         if parsed.checkpoint_type != "sampler":
             held = "training state (weights/)" if parsed.checkpoint_type == "training" else "exported weights"
             raise UserError(f"{path} holds {held}; sample from sampler weights instead: save them with "
                             "save_weights_for_sampler and use the tinker://…/sampler_weights/… path it returns")
-        ckpt, directory = self.checkpoints.readable(self.records, owner, path, "sampler checkpoint")
+        ckpt, directory = self.checkpoints.readable(self.records, owner, path, "sampler checkpoint", uid)
         self._base(ckpt["base_model"])  # trained on a base model this server no longer serves
-        return ckpt, AdapterRef(f"{path}@{ckpt['created']}", str(directory))
+        return ckpt, AdapterRef(f"{path}@{ckpt['uid']}", str(directory))
 
     # ---- ephemeral sampler weights ---------------------------------------------------------------------------------
     def ephemeral_directory(self, model_id: str) -> Path:
@@ -219,25 +234,39 @@ class SamplingService:
         return sampler_id
 
     # ---- asample --------------------------------------------------------------------------------------------------
-    def _resolve(self, owner: str, req: types.SampleRequest) -> tuple[str, dict | None]:
-        """(base model, sampler row or None for a request naming base_model / model_path directly)."""
+    def _resolve(self, owner: str, req: types.SampleRequest) -> tuple[Target, dict | None]:
+        """What the request samples from, checked now (and again when it runs), and its sampling session's row
+        (None for a request naming base_model / model_path directly)."""
         if req.sampling_session_id is not None:
             row = self.records.sampler(req.sampling_session_id, owner)
             if row is None:
                 raise NotFound(f"unknown sampling session {req.sampling_session_id!r}")
-            return row["base_model"], row
-        if req.model_path:
-            ckpt, ref = self._sampler_checkpoint(owner, req.model_path)
-            return ckpt["base_model"], {"kind": "checkpoint", "adapter_key": ref.key, "adapter_dir": ref.directory,
-                                        "id": req.model_path}
-        if req.base_model:
-            return self._base(req.base_model).name, None
-        raise UserError("a sample request needs a sampling_session_id, a model_path or a base_model")
+            target = Target(row["base_model"], lambda: self._session_weights(owner, row["id"]))
+        elif req.model_path:
+            target = self._checkpoint_target(owner, req.model_path)
+            row = None
+        elif req.base_model:
+            target, row = Target(self._base(req.base_model).name), None
+        else:
+            raise UserError("a sample request needs a sampling_session_id, a model_path or a base_model")
+        target.weights()
+        return target, row
 
-    def _adapter(self, row: dict | None) -> AdapterRef | None:
-        """The weights a sampler row stands for, resolved when the request runs (inflight weights may have moved)."""
-        if row is None or row["kind"] == "base":
+    def _checkpoint_target(self, owner: str, path: str) -> Target:
+        """A sampler checkpoint readable by ``owner`` now, as a target that stays on this very save."""
+        ckpt, _ = self._sampler_checkpoint(owner, path)
+        return Target(ckpt["base_model"], lambda: self._sampler_checkpoint(owner, path, ckpt["uid"])[1])
+
+    def _session_weights(self, owner: str, sampler_id: str) -> AdapterRef | None:
+        """The weights of a sampling session, re-read and re-checked at each use (inflight weights may have moved;
+        the checkpoint a session was opened on may have been unpublished, deleted, replaced or expired)."""
+        row = self.records.sampler(sampler_id, owner)
+        if row is None:
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
+        if row["kind"] == "base":
             return None
+        if row["kind"] == "checkpoint":
+            return self._sampler_checkpoint(owner, row["model_path"], row["checkpoint_uid"] or "")[1]
         if row["kind"] == "inflight":
             ref = self._inflight.get(row["model_id"])
             if ref is None:
@@ -260,8 +289,8 @@ class SamplingService:
         count = max(0, min(req.num_samples, self.options.max_num_samples))
         sequence_ids = [f"{prefix}:{i}" for i in range(count)]
         try:
-            base_model, row = self._resolve(owner, req)
-            job = decode_sample_request(req, self.limits[base_model])
+            target, row = self._resolve(owner, req)
+            job = decode_sample_request(req, self.limits[target.base_model])
             if job.record_stability_info and row is None:
                 raise UserError("record_stability_info needs a sampling session (stability info belongs to the "
                                 "session that sampled it): sample through a sampling client")
@@ -270,7 +299,7 @@ class SamplingService:
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
         async def run() -> Payload:
-            result = await self.run_job(base_model, self._adapter(row), job)
+            result = await self.run_job(target, job)
             if job.record_stability_info:
                 self.stability.record(owner, row["session_id"], sequence_ids, job.prompt,
                                       [(s.tokens, s.logprobs) for s in result.sequences])
@@ -280,35 +309,38 @@ class SamplingService:
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # ---- the one sampling path (Tinker asample and the OpenAI routes) --------------------------------------------
-    def resolve_model(self, owner: str, model: str) -> tuple[str, AdapterRef | None]:
-        """An OpenAI ``model`` value → (base model, adapter): a base model name, a ``tinker://…/sampler_weights/…``
-        path, or ``<base>;<path>``. Unknown names raise ``ModelNotFound``."""
+    def resolve_model(self, owner: str, model: str) -> Target:
+        """An OpenAI ``model`` value → what to sample: a base model name, a ``tinker://…/sampler_weights/…`` path,
+        or ``<base>;<path>``. Unknown names raise ``ModelNotFound``."""
         base_name, _, path = model.rpartition(";")
         if not path.startswith("tinker://"):
             if path not in self.base_models:
                 raise ModelNotFound(f"the model {model!r} does not exist; GET /v1/models lists the models you can use")
-            return path, None
+            return Target(path)
         try:
-            ckpt, ref = self._sampler_checkpoint(owner, path)
+            target = self._checkpoint_target(owner, path)
         except UserError as exc:
             raise ModelNotFound(str(exc)) from None
-        if base_name and base_name != ckpt["base_model"]:
-            raise UserError(f"{path} was trained on {ckpt['base_model']}, not {base_name}")
-        return ckpt["base_model"], ref
+        if base_name and base_name != target.base_model:
+            raise UserError(f"{path} was trained on {target.base_model}, not {base_name}")
+        return target
 
-    async def run_job(self, base_model: str, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+    async def run_job(self, target: Target, job: SampleJob) -> SampleResult:
         """Sample ``job`` on the pool, counting it in the metrics."""
+        base_model = target.base_model
         with self.stats[base_model].running(), tracer.start_as_current_span("sampler.sample", attributes={
                 "compat_server.base_model": base_model, "compat_server.num_samples": job.num_samples}):
+            adapter = target.weights()
             result = await self.samplers.sample(base_model, adapter, job)
         self._count(base_model, adapter, job, result)
         return result
 
-    async def stream_job(self, base_model: str, adapter: AdapterRef | None,
-                         job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
+    async def stream_job(self, target: Target, job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
         """``run_job``, yielding lists of tokens as they are sampled before the result."""
+        base_model = target.base_model
         with self.stats[base_model].running(), tracer.start_as_current_span("sampler.stream", attributes={
                 "compat_server.base_model": base_model, "compat_server.num_samples": job.num_samples}):
+            adapter = target.weights()
             async for item in self.samplers.stream(base_model, adapter, job):
                 if isinstance(item, SampleResult):
                     self._count(base_model, adapter, job, item)

@@ -23,7 +23,7 @@ from compat_server.config import ServerConfig
 from compat_server.downloads import UrlSigner
 from compat_server.futures import FutureHub
 from compat_server.quotas import KeyQuota
-from compat_server.records import Records
+from compat_server.records import SCHEMA_VERSION, Records
 from compat_server.runs import RunsService
 from compat_server.sampling import SamplingOptions, SamplingService
 from compat_server.scheduler import Scheduler
@@ -144,6 +144,8 @@ async def start_services(config: ServerConfig) -> Services:
     checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
     if checkpoints.abandoned:
         log.warning("deleted %d half-written checkpoints left by the previous server process", checkpoints.abandoned)
+    if moved := checkpoints.adopt_unversioned(records.all_checkpoints()):
+        log.info("moved %d checkpoints into per-save directories (records schema %d)", moved, SCHEMA_VERSION)
     sampling = SamplingService(records, scheduler, samplers, checkpoints, config.ephemeral_dir, base_models,
                                SamplingOptions(max_num_samples=config.max_num_samples,
                                                max_logprobs_k=config.max_logprobs_k,

@@ -252,18 +252,21 @@ class TrainingService:
         """Have the trainer write a checkpoint into staging, then publish and record it."""
         model_id = row["id"]
         path = tinker_path(model_id, kind, name)
-        if self.checkpoints.directory(path).exists() and not overwrite:
+        if self.records.live_checkpoint(path) is not None and not overwrite:
             raise UserError(f"checkpoint {path} already exists; choose another name")
         expires = self.checkpoints.expiry(ttl_seconds)
-        staging = self.checkpoints.staging(path)
+        staging, uid = self.checkpoints.staging(path), self.checkpoints.new_uid()
         try:
             await self.scheduler.trainer(row["base_model"], method, model_id, str(staging))
-            size = self.checkpoints.publish(staging, path, overwrite)
+            size = self.checkpoints.publish(staging, path, uid)
         finally:
             self.checkpoints.discard(staging)
-        self.records.add_checkpoint(path, training_run_id=model_id, checkpoint_id=parse_path(path).checkpoint_id,
-                                    kind=kind, owner=owner, base_model=row["base_model"], size_bytes=size,
-                                    expires_at=expires, user_metadata=user_metadata)
+        replaced = self.records.add_checkpoint(path, uid=uid, training_run_id=model_id,
+                                               checkpoint_id=parse_path(path).checkpoint_id, kind=kind, owner=owner,
+                                               base_model=row["base_model"], size_bytes=size, expires_at=expires,
+                                               user_metadata=user_metadata)
+        if replaced is not None:  # overwritten, or expired and not yet swept: its files go now
+            self.checkpoints.delete(path, replaced["uid"])
         log.info("checkpoint saved: %s (%d bytes)", path, size,
                  extra={"event": "checkpoint_saved", "model_id": model_id, "path": path, "bytes": size})
         return path
@@ -329,7 +332,7 @@ class TrainingService:
             if ckpt["base_model"] != row["base_model"]:
                 raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, "
                                 f"but model {req.model_id} uses {row['base_model']}")
-            spec = await self._load(row["base_model"], req.model_id, req.path, req.optimizer)
+            spec = await self._load(row["base_model"], req.model_id, req.path, ckpt["uid"], req.optimizer)
             self.records.set_model_lora(req.model_id, asdict(spec))
             return json_payload(types.LoadWeightsResponse(path=req.path, model_id=req.model_id, type="load_weights"))
 
@@ -348,7 +351,7 @@ class TrainingService:
                 raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, not {req.base_model}")
             base = self._base(ckpt["base_model"])
             with self._new_model_slot(owner):
-                spec: LoraSpec = await self._load(base.name, model_id, req.path, req.optimizer)
+                spec: LoraSpec = await self._load(base.name, model_id, req.path, ckpt["uid"], req.optimizer)
                 self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
                                           lora=asdict(spec), user_metadata=req.user_metadata)
             log.info("model created from %s: %s on %s", req.path, model_id, base.name,
@@ -362,8 +365,12 @@ class TrainingService:
     def _readable_checkpoint(self, owner: str, path: str) -> dict:
         return self.checkpoints.readable(self.records, owner, path)[0]
 
-    async def _load(self, base_model: str, model_id: str, path: str, with_optimizer: bool) -> LoraSpec:
-        directory = self.checkpoints.directory(path)
+    async def _load(self, base_model: str, model_id: str, path: str, uid: str, with_optimizer: bool) -> LoraSpec:
+        """Load save ``uid`` of ``path`` (checked by the caller just before): its own directory, so a save made
+        meanwhile under the same name is never what gets loaded."""
+        directory = self.checkpoints.directory(path, uid)
+        if not directory.exists():
+            raise NotFound(f"checkpoint {path} not found (deleted while the request waited)")
         spec = read_lora_spec(directory)
         await self.scheduler.trainer(base_model, "load_state", model_id, str(directory), with_optimizer)
         log.info("weights loaded: %s ← %s (%s optimizer state)", model_id, path, "with" if with_optimizer else "without")

@@ -123,8 +123,12 @@ def train(client, datum: types.Datum, steps: int, adam: types.AdamParams = ADAM)
 
 
 def checkpoint_dir(data_dir: Path, tinker_path: str) -> Path:
-    """Where the server under test keeps a checkpoint (tinker://RUN/KIND/NAME → DATA/checkpoints/RUN/KIND/NAME)."""
-    return data_dir / "checkpoints" / tinker_path.removeprefix("tinker://")
+    """Where the server under test keeps a checkpoint: tinker://RUN/KIND/NAME → DATA/checkpoints/RUN/KIND/NAME/UID,
+    one directory per save (this finds the one save there is)."""
+    name_dir = data_dir / "checkpoints" / tinker_path.removeprefix("tinker://")
+    saves = [d for d in name_dir.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    assert len(saves) == 1, f"{name_dir} holds {len(saves)} saves"
+    return saves[0]
 
 
 def reference_peft_model(base_dir: Path, adapter_dir: Path, trainable: bool = False):

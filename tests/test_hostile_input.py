@@ -23,7 +23,7 @@ def saved(service_client):
 
 def test_checkpoint_names_that_leave_their_directory_are_refused(saved, server):
     client, good = saved
-    run_dir = checkpoint_dir(server.data_dir, good).parent.parent
+    run_dir = checkpoint_dir(server.data_dir, good).parents[2]
     before = tree_digest(run_dir)
     for name in NAMES:
         for save in (client.save_state, client.save_weights_for_sampler):

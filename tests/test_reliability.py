@@ -66,7 +66,7 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
                           json={"request_id": finished}).status_code == 200
         in_flight = [asample(1500) for _ in range(4)]  # long enough to be running when the server dies
         time.sleep(0.5)
-        half_written = data_dir / "checkpoints" / run_id / "weights" / ".staging-torn-0000"
+        half_written = data_dir / "checkpoints" / run_id / "weights" / "torn" / ".staging-0000"
         half_written.mkdir(parents=True)
         (half_written / "adapter_model.safetensors").write_bytes(b"torn")
     finally:

@@ -306,7 +306,7 @@ def test_topk_sample_logprobs_are_the_models_best(base_sampler, base_reference):
 def test_many_concurrent_prompt_logprob_requests_on_mixed_adapters(service_client, server, base_sampler, memorized):
     """Prompt logprobs of several requests in one engine step crashed vLLM's engine (and, on a GPU, dropped an
     adapter's lm_head LoRA from them): each must equal the same request made alone, and the replica must live on."""
-    client, path = memorized
+    _, path = memorized
     tuned = service_client.create_sampling_client(model_path=path).result()
     other_client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=9).result()
     train(other_client, make_datum(PROMPT[:4], TARGET[::-1]), 2, types.AdamParams(learning_rate=2e-2))

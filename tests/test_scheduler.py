@@ -8,7 +8,7 @@ import json
 import pytest
 
 from compat_server.futures import JSON, FutureHub, Payload
-from compat_server.records import Records
+from compat_server.records import SCHEMA_VERSION, Records
 from compat_server.scheduler import Scheduler
 from shims.errors import UserError
 
@@ -132,7 +132,7 @@ def test_user_and_server_errors_are_categorised_and_isolated_by_owner(hub):
 def test_records_use_wal_and_carry_a_schema_version(tmp_path):
     records = Records(tmp_path / "r.sqlite3")
     assert records.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert [row["version"] for row in records.db["schema_version"].rows] == [1]
+    assert [row["version"] for row in records.db["schema_version"].rows] == [SCHEMA_VERSION]
     Records(tmp_path / "r.sqlite3")  # reopening an existing database keeps one version row
     assert records.db["schema_version"].count == 1
 

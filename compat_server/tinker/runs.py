@@ -12,6 +12,7 @@ from litestar.response import File
 from pydantic import BaseModel
 from tinker import types
 
+from compat_server.downloads import DownloadGrant
 from compat_server.services import Services
 
 API = "/api/v1"
@@ -96,10 +97,12 @@ async def external_weights_urls(request: Request, run_id: FromPath[str], kind: F
 
 @get(f"{API}/download/{{run_id:str}}/{{kind:str}}/{{name:str}}/{{file:path}}", media_type="application/octet-stream")
 async def download(run_id: FromPath[str], kind: FromPath[str], name: FromPath[str], file: FromPath[str],
-                   expires: FromQuery[int], signature: FromQuery[str], services: NamedDependency[Services]) -> File:
-    """Needs no API key: the URL's signature is the permission."""
+                   expires: FromQuery[int], checkpoint: FromQuery[str], grantee: FromQuery[str],
+                   signature: FromQuery[str], services: NamedDependency[Services]) -> File:
+    """Needs no API key: the URL's signature is the permission, re-checked against the checkpoint as it is now."""
     relative = file.lstrip("/")
-    path = services.runs.download_file(f"tinker://{run_id}/{kind}/{name}", relative, expires, signature)
+    grant = DownloadGrant(tinker_path=f"tinker://{run_id}/{kind}/{name}", uid=checkpoint, grantee=grantee)
+    path = services.runs.download_file(grant, relative, expires, signature)
     return File(path, filename=Path(relative).name)
 
 
