@@ -18,7 +18,7 @@ from compat_server.openai_routes import OPENAI_ROUTER
 from compat_server.quotas import TooManyRequests
 from compat_server.services import Services, start_services
 from compat_server.tinker import ROUTES as TINKER_ROUTES
-from shims.errors import NotFound, UserError
+from shims.errors import NotFound, UserError, too_deeply_nested
 
 log = logging.getLogger("compat_server")
 
@@ -55,6 +55,8 @@ def _http_error(_: Request, exc: HTTPException) -> Response:
 
 
 def _server_error(request: Request, exc: Exception) -> Response:
+    if (too_deep := too_deeply_nested(exc)) is not None:
+        return _user_error(request, too_deep)
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return _error(500, f"internal server error: {type(exc).__name__}: {exc}", "server")
 

@@ -24,7 +24,7 @@ from litestar.response import Stream
 from compat_server.completions import CompletionsService
 from compat_server.quotas import TooManyRequests
 from compat_server.services import Services
-from shims.errors import NotFound, UserError
+from shims.errors import NotFound, UserError, too_deeply_nested
 from shims.openai_wire import OpenAIError
 
 log = logging.getLogger("compat_server.openai")
@@ -112,6 +112,8 @@ def _openai_error(_: Request, exc: Exception) -> Response:
         error = OpenAIError(400, f"the request body is not valid JSON: {exc.detail}")
     elif isinstance(exc, HTTPException):
         error = OpenAIError(exc.status_code, exc.detail)
+    elif (too_deep := too_deeply_nested(exc)) is not None:
+        error = OpenAIError(400, str(too_deep))
     else:
         log.exception("unhandled error on an OpenAI route")
         error = OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}", kind="server_error")

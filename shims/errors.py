@@ -12,3 +12,12 @@ class UserError(ValueError):
 class NotFound(UserError):
     """Names an object that does not exist or that this tenant may not see; answered as 404 either way, so another
     tenant's objects are never revealed."""
+
+
+def too_deeply_nested(exc: BaseException) -> UserError | None:
+    """The user error for a request body nested deeper than the JSON decoder recurses (200,000 levels of ``[`` fit
+    in a few hundred KB), or None when ``exc`` is something else. The decoder raises ``RecursionError`` "… while
+    deserializing"; a ``RecursionError`` from anywhere else stays a server error."""
+    if isinstance(exc, RecursionError) and "deserializ" in str(exc):
+        return UserError("the request body is nested too deeply to decode; JSON bodies here are a few levels deep")
+    return None

@@ -183,6 +183,8 @@ def check_datum(loss_fn: str, index: int, tokens: np.ndarray, inputs: Mapping[st
                 raise UserError(f"{where}: {name} must be int64, got {array.dtype}")
             if array.size and (array.min() < 0 or array.max() >= vocab_size):
                 raise UserError(f"{where}: {name} ids must lie in [0, {vocab_size}), got {array.min()}..{array.max()}")
+        elif array.dtype != np.float32:
+            raise UserError(f"{where}: {name} must be float32, got {array.dtype}")
         elif not np.all(np.isfinite(array)):
             raise UserError(f"{where}: {name} contains NaN or infinite values")
     if "sequence_ratio_mask" in inputs and not np.any(inputs["sequence_ratio_mask"]):

@@ -187,6 +187,11 @@ def _target_ids(td, prompt_len: int, limits: SamplingLimits) -> TargetIds:
         raise UserError(f"target_prompt_logprobs must have shape [len(prompt) - 1, K] = [{prompt_len - 1}, K], "
                         f"got {shape}")
     rows, cols = shape
+    cells = limits.max_context * limits.max_logprobs_k
+    if cols > limits.vocab_size or rows * cols > cells:  # before a sparse tensor's stated shape is allocated
+        raise UserError(f"target_prompt_logprobs has shape {shape}: K may be at most the vocabulary size "
+                        f"({limits.vocab_size}) and (len(prompt) - 1) × K at most {cells} (the model's context × "
+                        "--max-logprobs-k)")
     values = np.asarray(td.data, dtype=np.int64)
     crow = col = None
     if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
@@ -22,20 +23,36 @@ def _frombuffer(raw: bytes, dtype: np.dtype, what: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def tensor_from_proto(msg: pb.Tensor, name: str) -> np.ndarray:
+@dataclass(frozen=True)
+class TensorLimits:
+    """What a datum's ``loss_fn_inputs`` may legally be: one row per model_input position (``rows``), at most
+    ``max_columns`` columns. Checked on the shape a client states, before anything is allocated from it."""
+
+    rows: int
+    max_columns: int
+
+
+def _check_shape(shape: list[int], name: str, limits: TensorLimits) -> None:
+    if len(shape) in (1, 2) and shape[0] == limits.rows and (len(shape) == 1 or 1 <= shape[1] <= limits.max_columns):
+        return
+    raise UserError(f"{name} has shape {shape}; loss_fn_inputs are [N] or [N, K] with N = {limits.rows} (the datum's "
+                    f"model_input length) and 1 ≤ K ≤ {limits.max_columns} (--max-logprobs-k)")
+
+
+def tensor_from_proto(msg: pb.Tensor, name: str, limits: TensorLimits) -> np.ndarray:
     """Decode a protobuf ``Tensor`` (dense, or sparse CSR with implicit zeros) into a numpy array of its shape.
 
-    int32 is widened to int64, as the SDK does on its side of the wire.
+    The shape is checked against ``limits`` first: a sparse tensor's shape, not its bytes, decides what the dense
+    array costs, and a few bytes may state any shape. int32 is widened to int64, as the SDK does on its side.
     """
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise UserError(f"loss_fn_inputs[{name!r}]: unsupported dtype enum {msg.dtype}")
     shape = [int(s) for s in msg.shape]
-    if any(s < 0 for s in shape):
-        raise UserError(f"loss_fn_inputs[{name!r}]: negative dimension in shape {shape}")
     if msg.HasField("sparse_csr"):
         if len(shape) != 2:
             raise UserError(f"loss_fn_inputs[{name!r}]: a sparse CSR tensor needs a 2-D shape, got {shape}")
+        _check_shape(shape, name, limits)
         values = _frombuffer(msg.sparse_csr.values, dtype, f"loss_fn_inputs[{name!r}] values")
         crow = _frombuffer(msg.sparse_csr.crow_indices, np.dtype(np.int64), f"loss_fn_inputs[{name!r}] crow_indices")
         col = _frombuffer(msg.sparse_csr.col_indices, np.dtype(np.int64), f"loss_fn_inputs[{name!r}] col_indices")
@@ -53,6 +70,7 @@ def tensor_from_proto(msg: pb.Tensor, name: str) -> np.ndarray:
             shape = [flat.size]
         if math.prod(shape) != flat.size:
             raise UserError(f"loss_fn_inputs[{name!r}]: shape {shape} does not match its {flat.size} values")
+        _check_shape(shape, name, limits)
         array = flat.reshape(shape)
     return array.astype(np.int64) if array.dtype == np.int32 else array.copy()
 

@@ -10,7 +10,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from shims.errors import UserError
 from shims.provenance import Span, check_tiling, spans_from_proto
-from shims.tensors import batched_tensor, tensor_from_proto, tokens_from_chunks
+from shims.tensors import TensorLimits, batched_tensor, tensor_from_proto, tokens_from_chunks
 
 
 class RejectedRequest(UserError):
@@ -49,8 +49,18 @@ class ForwardBackwardBatch:
     data: list[DatumArrays]
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
-    """Parse a serialized ``tinker_public.ForwardBackwardRequest``.
+@dataclass(frozen=True)
+class DatumLimits:
+    """What any datum may be on this server: at most ``max_context`` tokens (the longest context of the served base
+    models; each model's own is checked by the trainer) and ``max_columns`` per loss input row."""
+
+    max_context: int
+    max_columns: int
+
+
+def decode_forward_backward(body: bytes, limits: DatumLimits) -> ForwardBackwardBatch:
+    """Parse a serialized ``tinker_public.ForwardBackwardRequest``, checking every stated size against ``limits``
+    before allocating from it.
 
     ``loss_fn_config`` is read from the v2 map when it is present (it alone carries strings) and from the legacy
     float map otherwise, as the SDK's own comment asks servers to do.
@@ -74,7 +84,11 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardBatch:
     for i, datum in enumerate(msg.data):
         try:
             tokens = tokens_from_chunks(datum.model_input)
-            inputs = {name: tensor_from_proto(t, name) for name, t in datum.loss_fn_inputs.items()}
+            if tokens.size > limits.max_context:
+                raise UserError(f"{tokens.size} input tokens exceed the model's maximum context length of "
+                                f"{limits.max_context}")
+            shape_limits = TensorLimits(rows=tokens.size, max_columns=limits.max_columns)
+            inputs = {name: tensor_from_proto(t, name, shape_limits) for name, t in datum.loss_fn_inputs.items()}
             model_spans, target_spans = _provenance(datum, tokens, inputs)
         except UserError as exc:
             raise RejectedRequest(f"datum {i}: {exc}", msg.model_id, msg.seq_id, msg.forward_only) from None

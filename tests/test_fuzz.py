@@ -14,9 +14,12 @@ it finds into a fix and a unit test.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import schemathesis
 import tinker
@@ -299,3 +302,69 @@ def test_hypothesis_protobuf_bodies_are_refused_or_run_never_a_server_error(fuzz
         _check_error_shape(path, response)
     _assert_unchanged_and_serving(fuzz_server, stored, before)
 
+
+
+def _sparse_datums(model_id: str, seq_id: int, columns: int, count: int = 3) -> bytes:
+    """A ~100-byte-per-datum ForwardBackwardRequest whose sparse ``weights`` state the shape [1, columns]."""
+    weights = pb.Tensor(sparse_csr=pb.SparseCsr(values=b"", crow_indices=np.zeros(2, np.int64).tobytes(),
+                                                col_indices=b""), dtype=pb.DTYPE_FLOAT32, shape=[1, columns])
+    targets = pb.Tensor(dense=np.ones(1, np.int64).tobytes(), dtype=pb.DTYPE_INT64, shape=[1])
+    datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=np.ones(1, np.int32).tobytes()))],
+                     loss_fn_inputs={"weights": weights, "target_tokens": targets})
+    return pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy",
+                                     data=[datum] * count).SerializeToString()
+
+
+def test_tiny_bodies_stating_huge_sizes_or_depths_are_refused_without_memory_or_stalls(fuzz_server, stored):
+    """Sparse shapes in a few hundred bytes once made the server build the dense array first: [1, 2**28] weights
+    took 1 GiB per datum and blocked every tenant for ~7 s; [1, 2**40] answered 500; so did sparse
+    target_prompt_logprobs in asample, and JSON nested 200,000 deep on every route. Now each is a user error naming
+    the limit, the server's memory stays flat, and /healthz answers promptly all the while."""
+    url = fuzz_server.base_url
+    before = _snapshot(fuzz_server, stored)
+    model_id = _raw_model(url)
+    server_process = psutil.Process(fuzz_server.process.pid)
+    rss_before = server_process.memory_info().rss
+    slowest, watching = [0.0], threading.Event()
+
+    def watch_health() -> None:
+        while not watching.is_set():
+            start = time.perf_counter()
+            assert httpx.get(f"{url}/api/v1/healthz", timeout=60).status_code == 200
+            slowest[0] = max(slowest[0], time.perf_counter() - start)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    try:
+        for seq_id, columns in enumerate((2**28, 2**40), start=1):
+            body = _sparse_datums(model_id, seq_id, columns)
+            assert len(body) < 400
+            response = httpx.post(f"{url}/api/v1/forward_backward", content=body, timeout=60,
+                                  headers={**HEADERS, "Content-Type": "application/x-protobuf"})
+            assert response.status_code == 200, response.text
+            failed = poll_future(url, response.json()["request_id"], KEY)
+            assert failed["category"] == "user" and "K ≤ 4 (--max-logprobs-k)" in failed["error"], failed
+        for columns in (2**27, 2**40):
+            response = httpx.post(f"{url}/api/v1/asample", headers=HEADERS, timeout=60, json={
+                "num_samples": 1, "base_model": BASE_MODEL, "sampling_params": {"max_tokens": 1},
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                "target_prompt_logprobs": {"data": [1], "dtype": "int64", "shape": [1, columns],
+                                           "sparse_crow_indices": [0, 1], "sparse_col_indices": [0]}})
+            assert response.status_code == 200, response.text
+            failed = poll_future(url, response.json()["request_id"], KEY)
+            assert failed["category"] == "user" and "K may be at most the vocabulary size" in failed["error"], failed
+        deep = "[" * 200_000 + "]" * 200_000
+        for path in ("/api/v1/asample", "/api/v1/create_model", "/v1/chat/completions", "/v1/completions"):
+            response = httpx.post(f"{url}{path}", content=deep, timeout=60, headers={
+                **HEADERS, "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+            assert response.status_code == 400 and "nested too deeply" in response.text, (path, response.text)
+            _check_error_shape(path, response)
+    finally:
+        watching.set()
+        watcher.join()
+    grown = server_process.memory_info().rss - rss_before
+    print(f"server RSS grew {grown / 2**20:.0f} MiB; slowest /healthz {slowest[0] * 1000:.0f} ms during the attack")
+    assert grown < 256 * 2**20  # once: +1 GiB per datum
+    assert slowest[0] < 2.0  # once: the event loop blocked ~7 s per datum
+    _assert_unchanged_and_serving(fuzz_server, stored, before)

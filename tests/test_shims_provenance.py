@@ -9,8 +9,10 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from shims.errors import UserError
 from shims.provenance import RecordedSequence, Span, recorded_logprobs
-from shims.training_wire import decode_forward_backward
+from shims.training_wire import DatumLimits, decode_forward_backward
 from tests.test_shims_wire import sdk_bytes
+
+LIMITS = DatumLimits(max_context=2048, max_columns=64)
 
 PROMPT, SAMPLED, LOGPROBS = [5, 6, 7, 8], [20, 21, 22], [-0.5, -1.5, -2.5]
 RECORDS = {"s:sample:0:1:0": RecordedSequence(PROMPT, SAMPLED, LOGPROBS)}
@@ -37,7 +39,7 @@ def resolve(datum_arrays, records=RECORDS):
 
 
 def test_spans_survive_the_wire_and_find_the_recorded_logprobs():
-    batch = decode_forward_backward(sdk_bytes([single_turn()], loss_fn="stable_reinforce"))
+    batch = decode_forward_backward(sdk_bytes([single_turn()], loss_fn="stable_reinforce"), LIMITS)
     datum = batch.data[0]
     assert datum.model_input_spans == [Span("prompt", "s:sample:0:1:0", 0, 4), Span("sampled", "s:sample:0:1:0", 0, 2)]
     assert datum.loss_fn_input_spans[1] == Span("sampled", "s:sample:0:1:0", 0, 3)
@@ -49,7 +51,7 @@ def test_spans_survive_the_wire_and_find_the_recorded_logprobs():
 def test_datums_without_spans_decode_to_none():
     datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
                         loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
-    decoded = decode_forward_backward(sdk_bytes([datum])).data[0]
+    decoded = decode_forward_backward(sdk_bytes([datum]), LIMITS).data[0]
     assert decoded.model_input_spans is None and decoded.loss_fn_input_spans is None
     with pytest.raises(UserError, match="stable_reinforce needs provenance"):
         resolve(decoded)
@@ -70,7 +72,7 @@ def _edit(body: bytes, change) -> bytes:
 def test_malformed_provenance_is_rejected_naming_the_field(change, message):
     body = _edit(sdk_bytes([single_turn()], loss_fn="stable_reinforce"), change)
     with pytest.raises(UserError, match=f"datum 0: .*{message}"):
-        decode_forward_backward(body)
+        decode_forward_backward(body, LIMITS)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -81,14 +83,14 @@ def test_malformed_provenance_is_rejected_naming_the_field(change, message):
     (lambda d: d.model_input_spans.__setitem__(0, Span("prompt", "other", 0, 4)), "unknown other"),
 ])
 def test_spans_that_disagree_with_the_record_are_user_errors(edit, message):
-    datum = decode_forward_backward(sdk_bytes([single_turn()], loss_fn="stable_reinforce")).data[0]
+    datum = decode_forward_backward(sdk_bytes([single_turn()], loss_fn="stable_reinforce"), LIMITS).data[0]
     edit(datum)
     with pytest.raises(UserError, match=message):
         resolve(datum)
 
 
 def test_prompt_span_targets_are_placeholders_not_compared():
-    datum = decode_forward_backward(sdk_bytes([single_turn()], loss_fn="stable_reinforce")).data[0]
+    datum = decode_forward_backward(sdk_bytes([single_turn()], loss_fn="stable_reinforce"), LIMITS).data[0]
     datum.loss_fn_inputs["target_tokens"][:3] = [9, 9, 9]  # not the prompt's tokens: weight-0 placeholders
     _, mask = resolve(datum)
     assert mask.sum() == 3
@@ -106,4 +108,4 @@ def test_loss_fn_config_maps(fill, expected):
                         loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
     msg = pb.ForwardBackwardRequest.FromString(sdk_bytes([datum]))
     fill(msg)
-    assert decode_forward_backward(msg.SerializeToString()).loss_fn_config == pytest.approx(expected)
+    assert decode_forward_backward(msg.SerializeToString(), LIMITS).loss_fn_config == pytest.approx(expected)

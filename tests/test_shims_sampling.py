@@ -3,6 +3,8 @@ arithmetic, each against a reference written here in numpy."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
@@ -77,6 +79,26 @@ def test_decode_rejects_bad_requests(fields, message):
     with pytest.raises(UserError) as failure:
         decode_sample_request(request(prompt, **fields), LIMITS)
     assert message in str(failure.value)
+
+
+@pytest.mark.parametrize("columns", [51, 2**27, 2**40])
+def test_a_sparse_target_shape_is_checked_before_it_is_allocated(columns):
+    """A few bytes of sparse target_prompt_logprobs may state any shape; once, [1, 2**27] took 1.7 GiB and
+    [1, 2**40] answered 500."""
+    sparse = {"data": [1], "dtype": "int64", "shape": [1, columns], "sparse_crow_indices": [0, 1],
+              "sparse_col_indices": [0]}
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match=r"K may be at most the vocabulary size \(50\)"):
+            decode_sample_request(request(prompt=(1, 2), target_prompt_logprobs=sparse), LIMITS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    too_many_cells = {**sparse, "shape": [62, 6], "sparse_crow_indices": [0, 1] + [1] * 61}
+    with pytest.raises(UserError, match=r"at most 320 \(the model's context × --max-logprobs-k\)"):
+        decode_sample_request(request(prompt=tuple(range(1, 49)) + (1,) * 15, sampling_params=types.SamplingParams(
+            max_tokens=1), target_prompt_logprobs=too_many_cells), LIMITS)
 
 
 def test_sparse_target_ids_keep_their_layout_in_the_answer():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,11 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from shims.errors import UserError
-from shims.tensors import tensor_from_proto, tokens_from_chunks
-from shims.training_wire import decode_forward_backward, encode_forward_backward_output
+from shims.losses import check_datum
+from shims.tensors import TensorLimits, tensor_from_proto, tokens_from_chunks
+from shims.training_wire import DatumLimits, RejectedRequest, decode_forward_backward, encode_forward_backward_output
+
+LIMITS = DatumLimits(max_context=2048, max_columns=64)
 
 
 def sdk_bytes(data: list[types.Datum], loss_fn="cross_entropy", config=None, seq_id=7) -> bytes:
@@ -42,7 +47,7 @@ def test_sdk_encoded_request_decodes_to_the_same_arrays():
     body = sdk_bytes(data, config={"clip_low_threshold": 0.8, "mode": "x"})
     wire = pb.ForwardBackwardRequest.FromString(body)
     assert wire.data[1].loss_fn_inputs["weights"].HasField("sparse_csr"), "the SDK should have sent CSR here"
-    batch = decode_forward_backward(body)
+    batch = decode_forward_backward(body, LIMITS)
     assert (batch.model_id, batch.seq_id, batch.loss_fn, batch.forward_only) == ("s:train:0", 7, "cross_entropy", False)
     assert batch.loss_fn_config == {"clip_low_threshold": 0.8, "mode": "x"}
     np.testing.assert_array_equal(batch.data[0].tokens, tokens)
@@ -92,11 +97,12 @@ def test_outputs_of_different_layouts_in_one_batch_reach_the_sdk_intact():
 ])
 def test_malformed_tensors_are_user_errors(tensor, message):
     with pytest.raises(UserError, match=message):
-        tensor_from_proto(tensor, "weights")
+        tensor_from_proto(tensor, "weights", TensorLimits(rows=tensor.shape[0] if tensor.shape else 3, max_columns=4))
 
 
 def test_int32_tensors_widen_to_int64():
-    array = tensor_from_proto(pb.Tensor(dense=np.array([1, 2], np.int32).tobytes(), dtype=pb.DTYPE_INT32), "t")
+    array = tensor_from_proto(pb.Tensor(dense=np.array([1, 2], np.int32).tobytes(), dtype=pb.DTYPE_INT32), "t",
+                              TensorLimits(rows=2, max_columns=1))
     assert array.dtype == np.int64 and array.tolist() == [1, 2]
 
 
@@ -105,6 +111,45 @@ def test_non_text_chunks_and_garbage_are_refused():
     with pytest.raises(UserError, match="'image' is not supported"):
         tokens_from_chunks([image])
     with pytest.raises(UserError, match="not a valid ForwardBackwardRequest"):
-        decode_forward_backward(b"\x0a\xff\xff\xff")
+        decode_forward_backward(b"\x0a\xff\xff\xff", LIMITS)
     with pytest.raises(UserError, match="at least one datum"):
-        decode_forward_backward(pb.ForwardBackwardRequest(model_id="m").SerializeToString())
+        decode_forward_backward(pb.ForwardBackwardRequest(model_id="m").SerializeToString(), LIMITS)
+
+
+def sparse_request(shape: list[int], tokens: int = 1) -> bytes:
+    """A ~100-byte ForwardBackwardRequest whose one sparse tensor states ``shape`` (no stored values)."""
+    weights = pb.Tensor(sparse_csr=pb.SparseCsr(values=b"", crow_indices=np.zeros(2, np.int64).tobytes(),
+                                                col_indices=b""), dtype=pb.DTYPE_FLOAT32, shape=shape)
+    datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(
+        tokens=np.arange(tokens, dtype=np.int32).tobytes()))], loss_fn_inputs={"weights": weights})
+    return pb.ForwardBackwardRequest(model_id="s:train:0", data=[datum]).SerializeToString()
+
+
+@pytest.mark.parametrize("shape, tokens, message", [
+    ([1, 2**28], 1, r"1 ≤ K ≤ 64 \(--max-logprobs-k\)"),  # 1 GiB dense, once
+    ([1, 2**40], 1, r"1 ≤ K ≤ 64"),  # more than any machine has: once a MemoryError (500)
+    ([2**31, 1], 1, r"N = 1 \(the datum's model_input length\)"),
+    ([4, 0], 4, r"1 ≤ K ≤ 64"),
+    ([3, 2], 3000, "maximum context length of 2048"),
+])
+def test_a_stated_shape_is_checked_before_anything_is_allocated_from_it(shape, tokens, message):
+    body = sparse_request(shape, tokens)
+    assert len(body) < 12_100
+    tracemalloc.start()
+    try:
+        with pytest.raises(RejectedRequest, match=message):
+            decode_forward_backward(body, LIMITS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # nothing near the stated size was allocated
+
+
+def test_float_inputs_sent_as_integers_are_refused_like_integer_inputs_sent_as_floats():
+    tokens, inputs = np.arange(4, dtype=np.int64), {"target_tokens": np.arange(4, dtype=np.int64)}
+    with pytest.raises(UserError, match="weights must be float32, got int64"):
+        check_datum("cross_entropy", 0, tokens, {**inputs, "weights": np.ones(4, np.int64)}, vocab_size=512,
+                    max_context=2048)
+    with pytest.raises(UserError, match="target_tokens must be int64, got float32"):
+        check_datum("cross_entropy", 0, tokens, {"target_tokens": np.arange(4, dtype=np.float32),
+                                                 "weights": np.ones(4, np.float32)}, vocab_size=512, max_context=2048)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from typing import Annotated
 
@@ -13,7 +14,7 @@ from tinker import types
 
 from compat_server.services import Services
 from shims.errors import UserError
-from shims.training_wire import RejectedRequest, decode_forward_backward
+from shims.training_wire import DatumLimits, ForwardBackwardBatch, RejectedRequest, decode_forward_backward
 
 API = "/api/v1"
 
@@ -51,14 +52,21 @@ def unzstd(body: bytes, max_mb: int) -> bytes:
     return bytes(out)
 
 
+def _decode(body: bytes, compressed: bool, services: Services) -> ForwardBackwardBatch:
+    max_mb = services.config.max_body_mb
+    limits = DatumLimits(max_context=max(facts.max_context for facts in services.trainers.facts.values()),
+                         max_columns=services.config.max_logprobs_k)
+    return decode_forward_backward(unzstd(body, max_mb) if compressed else body, limits)
+
+
 @post(f"{API}/forward_backward", status_code=200)
 async def forward_backward(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
-    """The body is a protobuf ``ForwardBackwardRequest`` (zstd-compressed if the client says so)."""
+    """The body is a protobuf ``ForwardBackwardRequest`` (zstd-compressed if the client says so). Decompressing and
+    decoding up to ``--max-body-mb`` takes a while: it runs in a worker thread, so other requests are not held up."""
     body = await request.body()
-    if request.headers.get("content-encoding", "").lower() == "zstd":
-        body = unzstd(body, services.config.max_body_mb)
+    compressed = request.headers.get("content-encoding", "").lower() == "zstd"
     try:
-        batch = decode_forward_backward(body)
+        batch = await asyncio.to_thread(_decode, body, compressed, services)
     except RejectedRequest as exc:
         kind = "forward" if exc.forward_only else "forward_backward"
         return services.training.reject(owner, kind, exc.model_id, exc.seq_id, str(exc), idempotency_key(request))
