@@ -231,9 +231,13 @@ def manage_keys(args: argparse.Namespace) -> int:
     import secrets
 
     from compat_server.auth import new_key, owner_of
-    from compat_server.records import Records
+    from compat_server.records import CorruptRecords, Records
 
-    records = Records(args.data_dir.expanduser().resolve() / ServerConfig.RECORDS_FILE)
+    try:
+        records = Records(args.data_dir.expanduser().resolve() / ServerConfig.RECORDS_FILE)
+    except CorruptRecords as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if args.action == "create":
         key = new_key()
         try:
@@ -286,8 +290,14 @@ def serve(config: ServerConfig) -> None:
     import uvicorn
 
     from compat_server.app import create_app
+    from compat_server.records import CorruptRecords, check_integrity
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        check_integrity(config.records_path)
+    except CorruptRecords as exc:
+        log.error("%s", exc, extra={"event": "records_corrupt", "path": str(config.records_path)})
+        sys.exit(2)
     server = uvicorn.Server(uvicorn.Config(
         create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
         access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5,

@@ -5,7 +5,9 @@ Every record carries ``owner``: a hash of the API key that created it (never the
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -28,10 +30,35 @@ def now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+class CorruptRecords(RuntimeError):
+    """The records file fails SQLite's integrity check: the server refuses to start on it rather than serve (and
+    write into) a damaged store."""
+
+
+def check_integrity(path: Path) -> None:
+    """``PRAGMA quick_check`` on an existing records file (with its WAL); raises ``CorruptRecords`` saying how to
+    recover. Seconds even for a large file: it checks structure, not index contents."""
+    if not path.exists():
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
+    except sqlite3.DatabaseError as exc:
+        problems = [str(exc)]
+    if problems != ["ok"]:
+        raise CorruptRecords(
+            f"the records file {path} is damaged ({'; '.join(problems)}), so the server will not start on it. "
+            f"Stop every process using it, then either restore it (and its -wal file) from a backup, or recover what "
+            f"SQLite can still read: `sqlite3 {path} .recover | sqlite3 {path}.recovered`, check the result with "
+            f"`sqlite3 {path}.recovered 'PRAGMA integrity_check'`, move the damaged file aside and put "
+            f"{path.name}.recovered in its place.")
+
+
 class Records:
     """Typed accessors over the tables; callers never write SQL."""
 
     def __init__(self, path: Path) -> None:
+        check_integrity(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite_utils.Database(path)
         self.db.enable_wal()

@@ -64,6 +64,25 @@ def vllm_server(model_cache, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def keyed_server(model_cache, tmp_path_factory):
+    """A server with ``--auth keys`` and registered keys (name → key): ``alice`` and ``bob`` for the multi-tenant
+    tests, ``revoked-soon`` for the revocation test. Its expiry sweep runs hourly, so an expired checkpoint's files
+    stay on disk and what refuses it is the check at use."""
+    from tests.helpers import keys_command
+    from tests.server import start_server
+
+    data_dir = tmp_path_factory.mktemp("keyed-server")
+    issued = {}
+    for name in ("alice", "bob", "revoked-soon"):
+        created = keys_command(data_dir, "create", "--name", name)
+        assert created.returncode == 0, created.stderr
+        issued[name] = created.stdout.strip()
+    running = start_server(data_dir, "--auth", "keys", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "3600")
+    yield running, issued
+    running.stop()
+
+
+@pytest.fixture(scope="session")
 def server(transformers_server):
     return transformers_server
 

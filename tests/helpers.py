@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +45,12 @@ def service_client_for(server):
     client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-main")
     yield client
     client.close("success")
+
+
+def keys_command(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """``compat-server keys …`` on a data directory."""
+    return subprocess.run([sys.executable, "-m", "compat_server.cli", "keys", "--data-dir", str(data_dir), *args],
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 def on_both_sampler_backends():

@@ -19,28 +19,19 @@ import tinker
 from tinker import types
 
 from tests.helpers import BASE_MODEL, checkpoint_dir, make_datum, train
-from tests.server import start_server
-from tests.test_auth_and_isolation import keys
 
 PROMPT = [5, 6, 7, 8, 9]
 LR = types.AdamParams(learning_rate=5e-2)
 
 
 @pytest.fixture(scope="module")
-def tenants(model_cache, tmp_path_factory):
-    """A server with ``--auth keys``, two tenants' keys, and an hourly expiry sweep."""
-    data_dir = tmp_path_factory.mktemp("access-over-time")
-    issued = {}
-    for name in ("alice", "bob"):
-        created = keys(data_dir, "create", "--name", name)
-        assert created.returncode == 0, created.stderr
-        issued[name] = created.stdout.strip()
-    server = start_server(data_dir, "--auth", "keys", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "3600")
-    clients = {name: tinker.ServiceClient(base_url=server.base_url, api_key=key) for name, key in issued.items()}
+def tenants(keyed_server):
+    """The ``--auth keys`` server (hourly expiry sweep), alice's and bob's keys, and a service client for each."""
+    server, issued = keyed_server
+    clients = {name: tinker.ServiceClient(base_url=server.base_url, api_key=issued[name]) for name in ("alice", "bob")}
     yield server, issued, clients
     for client in clients.values():
         client.close("success")
-    server.stop()
 
 
 def prompt_logprobs(sampler) -> np.ndarray:

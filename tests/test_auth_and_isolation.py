@@ -11,26 +11,12 @@ import pytest
 import tinker
 
 from tests.helpers import BASE_MODEL, make_datum
-from tests.server import start_server
-
-
-def keys(data_dir, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compat_server.cli", "keys", "--data-dir", str(data_dir), *args],
-                          capture_output=True, text=True, timeout=60, check=False)
-
-
-@pytest.fixture(scope="module")
-def keyed_server(model_cache, tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("keyed-server")
-    created = keys(data_dir, "create", "--name", "alice")
-    assert created.returncode == 0, created.stderr
-    running = start_server(data_dir, "--auth", "keys")
-    yield running, created.stdout.strip()
-    running.stop()
+from tests.helpers import keys_command as keys
 
 
 def test_only_registered_keys_get_in_and_revocation_is_immediate(keyed_server):
-    server, key = keyed_server
+    server, issued = keyed_server
+    key = issued["revoked-soon"]
     assert key.startswith("tml-") and key not in (server.data_dir / "records.sqlite3").read_bytes().decode(
         errors="replace")  # only a hash is stored
     assert "auth: keys" in server.log()
@@ -45,13 +31,13 @@ def test_only_registered_keys_get_in_and_revocation_is_immediate(keyed_server):
             openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=stranger, max_retries=0).models.list()
 
     listed = keys(server.data_dir, "list")
-    assert "alice" in listed.stdout and "active" in listed.stdout
-    assert keys(server.data_dir, "revoke", "alice").returncode == 0
+    assert "revoked-soon" in listed.stdout and "active" in listed.stdout
+    assert keys(server.data_dir, "revoke", "revoked-soon").returncode == 0
     assert "revoked" in keys(server.data_dir, "list").stdout
     assert httpx.get(f"{server.base_url}/api/v1/training_runs", headers={"X-API-Key": key}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         oai.models.list()
-    assert keys(server.data_dir, "revoke", "alice").returncode == 1  # nothing active left to revoke
+    assert keys(server.data_dir, "revoke", "revoked-soon").returncode == 1  # nothing active left to revoke
     client.close("success")
 
 
