@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from adapters.disk import DiskFull
 from adapters.sampler import Restarting
 from shims.errors import UserError
 
@@ -25,6 +26,11 @@ class ActorUnavailable(RuntimeError):
     """An actor died, could not be reached, or failed with an unexpected error: a server-side failure."""
 
 
+class ActorCallFailed(RuntimeError):
+    """A call raised an unexpected error inside an actor that is still alive: a server-side failure of that call
+    only."""
+
+
 class ActorRestarting(ActorUnavailable):
     """The actor is being restarted: a call made now was refused without running, and one made once the actor is
     back will run."""
@@ -32,16 +38,20 @@ class ActorRestarting(ActorUnavailable):
 
 @contextmanager
 def _translated(what: str, method: str) -> Iterator[None]:
-    """A ``UserError`` raised inside the actor is re-raised as itself; anything else as ``ActorUnavailable``."""
+    """A ``UserError`` or ``DiskFull`` raised inside the actor is re-raised as itself, anything else it raises as
+    ``ActorCallFailed``; a dead or unreachable actor is ``ActorUnavailable`` (``ActorRestarting`` while Ray brings
+    it back)."""
     try:
         yield
     except RayTaskError as exc:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, UserError):
             raise UserError(str(cause)) from None
+        if isinstance(cause, DiskFull):  # the actor is fine; the disk is not
+            raise DiskFull(str(cause)) from None
         if isinstance(cause, Restarting):
             raise ActorRestarting(f"{what} is restarting: {cause}") from None
-        raise ActorUnavailable(f"{what} failed in {method}: {cause}") from None
+        raise ActorCallFailed(f"{what} failed in {method}: {cause}") from None
     except ActorUnavailableError as exc:
         raise ActorRestarting(f"{what} is restarting: {exc}") from None
     except RayActorError as exc:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from adapters.actors import ray_node
+from adapters.disk import writing
 from shims.errors import UserError
 from shims.losses import check_datum, datum_loss, resolve_config
 from shims.training_wire import DatumArrays
@@ -347,17 +348,20 @@ class MultiLoRATrainer:
 
         adapter = self._get(model_id)
         out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         state = get_peft_model_state_dict(self.peft, adapter_name=adapter.name, save_embedding_layers=False)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
-        self.peft.peft_config[adapter.name].save_pretrained(str(out))
+        with writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
+            self.peft.peft_config[adapter.name].save_pretrained(str(out))
 
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
         adapter = self._get(model_id)
         self.save_for_sampler(model_id, directory)
-        torch.save(adapter.optimizer.state_dict(), Path(directory) / OPTIMIZER_STATE)
-        (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step, "lora": asdict(adapter.spec)}))
+        with writing(Path(directory)):
+            torch.save(adapter.optimizer.state_dict(), Path(directory) / OPTIMIZER_STATE)
+            (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step,
+                                                                     "lora": asdict(adapter.spec)}))
 
     def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
         """Replace (or create) ``model_id``'s adapter with the checkpoint's weights, and optionally its optimizer.

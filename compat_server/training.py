@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from tinker import types
 
 from adapters.base_models import BaseModelSpec
+from adapters.disk import DiskFull
 from adapters.trainer import MAX_LORA_RANK, AdamHyper, LoraSpec, StepRequest, read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.futures import JSON, PROTOBUF, Payload
@@ -36,6 +37,16 @@ def json_payload(model: types.BaseModel) -> Payload:
 def model_id_for(session_id: str, model_seq_id: int) -> str:
     """The id format the SDK itself assumes when it creates a training client from saved state."""
     return f"{session_id}:train:{model_seq_id}"
+
+
+@contextmanager
+def disk_full_names(what: str) -> Iterator[None]:
+    """A full disk while saving says what was being saved and what to do (nothing of the run is lost)."""
+    try:
+        yield
+    except DiskFull as exc:
+        raise DiskFull(f"no space left on device while saving {what} ({exc}); the run is unchanged: free space on "
+                       "the checkpoint storage (--storage-dir / --data-dir) and save again") from None
 
 
 class TrainingService:
@@ -257,8 +268,9 @@ class TrainingService:
         expires = self.checkpoints.expiry(ttl_seconds)
         staging, uid = self.checkpoints.staging(path), self.checkpoints.new_uid()
         try:
-            await self.scheduler.trainer(row["base_model"], method, model_id, str(staging))
-            size = self.checkpoints.publish(staging, path, uid)
+            with disk_full_names(path):
+                await self.scheduler.trainer(row["base_model"], method, model_id, str(staging))
+                size = self.checkpoints.publish(staging, path, uid)
         finally:
             self.checkpoints.discard(staging)
         replaced = self.records.add_checkpoint(path, uid=uid, training_run_id=model_id,
@@ -309,7 +321,8 @@ class TrainingService:
         directory = self.sampling.ephemeral_directory(row["id"])
         staging = directory.with_name(f".staging-{directory.name}")
         try:
-            await self.scheduler.trainer(row["base_model"], "save_for_sampler", row["id"], str(staging))
+            with disk_full_names(f"sampler weights of {row['id']}"):
+                await self.scheduler.trainer(row["base_model"], "save_for_sampler", row["id"], str(staging))
             staging.rename(directory)
         finally:
             self.checkpoints.discard(staging)

@@ -8,6 +8,7 @@ fail clearly as server errors, a checkpoint resumes exactly, and a half-written 
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -287,3 +288,32 @@ def test_a_crashed_trainer_restarts_and_saved_runs_come_back(model_cache, tmp_pa
         service.close("success")
     finally:
         server.stop()
+
+
+def test_a_full_disk_while_saving_says_so_and_the_run_goes_on(server, service_client):
+    """Once, a full disk reached the client as "ActorUnavailable … [enforce fail at inline_container.cc]". The
+    run's checkpoint directory is put on a 16 KiB tmpfs: the save fails naming the disk and the checkpoint, leaves
+    nothing behind, and the run trains and saves on once there is room again."""
+    client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    datum = make_datum([1, 2, 3], [4, 5])
+    train(client, datum, 1)
+    weights_dir = server.data_dir / "checkpoints" / client.model_id / "weights"
+    weights_dir.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(weights_dir)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"this test fills a real 16 KiB filesystem and needs `mount -t tmpfs` (root): {mounted.stderr}")
+    try:
+        with pytest.raises(tinker.RequestFailedError) as failure:
+            client.save_state("full").result()
+        message = str(failure.value)
+        assert failure.value.category == types.RequestErrorCategory.Server
+        assert f"no space left on device while saving tinker://{client.model_id}/weights/full" in message
+        assert "ActorUnavailable" not in message and "enforce fail" not in message
+        assert not [p for p in weights_dir.rglob("*") if p.is_file()]  # the half-written save is gone
+        rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test-main")
+        assert not rest.list_checkpoints(client.model_id).result().checkpoints
+        train(client, datum, 1)  # the trainer is fine
+    finally:
+        subprocess.run(["umount", str(weights_dir)], check=True)
+    assert client.save_state("with-room").result().path.endswith("/weights/with-room")

@@ -166,6 +166,9 @@ def test_bad_input_is_a_user_error_and_the_server_keeps_serving(service_client, 
     short_weights = custom(tokens, {"target_tokens": targets, "weights": weights[:-2]})
     expect_user_error(client.forward_backward([short_weights], "cross_entropy"), "weights has shape")
 
+    int_weights = custom(tokens, {"target_tokens": targets, "weights": np.asarray(weights).astype(np.int64)})
+    expect_user_error(client.forward_backward([int_weights], "cross_entropy"), "weights must be float32, got int64")
+
     nan_weights = custom(tokens, {"target_tokens": targets, "weights": np.where(weights > 0, np.nan, 0).astype(np.float32)})
     expect_user_error(client.forward_backward([nan_weights], "cross_entropy"), "NaN")
 
