@@ -17,6 +17,7 @@ from adapters.sampler import choose_backend
 from adapters.sampler_pool import SamplerPlacement, SamplerPool
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
 from adapters.vllm_sampler import VLLMOptions
+from compat_server import watchdog
 from compat_server.checkpoints import CheckpointStore
 from compat_server.completions import CompletionsService
 from compat_server.config import ServerConfig
@@ -103,6 +104,7 @@ def _init_ray(config: ServerConfig) -> None:
         ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, cpus), resources=needed or None,
                  object_store_memory=config.ray_object_store_mb * 1024 * 1024, include_dashboard=False,
                  log_to_driver=True, configure_logging=False)
+        watchdog.start()  # the private instance's processes end with this one, even after kill -9
 
 
 async def start_services(config: ServerConfig) -> Services:

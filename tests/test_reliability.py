@@ -29,15 +29,19 @@ HEADERS = {"X-API-Key": KEY}
 
 
 def kill_9(server) -> None:
-    """SIGKILL the server and every process it started (its private Ray instance), as a machine crash would."""
+    """SIGKILL the server alone, as the OOM killer or an operator would. Every process it started (its private Ray
+    instance) must end on its own within seconds: once, Ray's agents lived on for a minute or more."""
     tree = psutil.Process(server.process.pid).children(recursive=True)
+    names = {p.pid: " ".join(p.cmdline())[:80] for p in tree}
     server.process.send_signal(signal.SIGKILL)
     server.process.wait()
-    for process in tree:
+    alive = psutil.wait_procs(tree, timeout=15)[1]
+    for process in alive:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
+    assert not alive, f"outlived the killed server by 15 s: {[names[p.pid] for p in alive]}"
 
 
 @pytest.mark.timeout(600)
