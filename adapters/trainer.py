@@ -399,6 +399,12 @@ class MultiLoRATrainer:
         return spec
 
 
+def read_saved_step(directory: Path) -> int | None:
+    """The optimizer step a training checkpoint was saved at (None for sampler weights, which have no state)."""
+    state_file = directory / TRAINER_STATE
+    return int(json.loads(state_file.read_text())["step"]) if state_file.exists() else None
+
+
 def read_lora_spec(directory: Path) -> LoraSpec:
     """The LoRA layout of a saved adapter: from our trainer state if present, else from its PEFT config."""
     state_file = directory / TRAINER_STATE

@@ -26,7 +26,7 @@ async def dashboard(records: Records, sampling: SamplingService, owner: str) -> 
                      for s in records.recent_sessions(owner, RECENT)],
         "training_runs": [{
             "id": run["id"], "base_model": run["base_model"], "lora_rank": run["lora_rank"], "status": run["status"],
-            "created": run["created"],
+            "created": run["created"], "rolled_back": run["rolled_back"],
             "steps": [{"seq_id": step["seq_id"], "kind": step["kind"], "loss_fn": step["loss_fn"],
                        "loss": loss_of(step["metrics"]), "tokens": step["num_tokens"],
                        "tokens_per_s": step["tokens_per_s"], "time": step["created"]}

@@ -25,6 +25,11 @@ _LIVE = "(expires_at is null or expires_at > ?)"
 """Where-clause for checkpoints not yet expired; its parameter is ``now()``."""
 
 
+_ADDED_COLUMNS = (("checkpoints", "uid", str), ("samplers", "checkpoint_uid", str), ("models", "rolled_back", str),
+                  ("models", "rollback_unseen", int))
+"""Columns added since schema 1, added to an older file at open."""
+
+
 def now() -> str:
     """Timestamps are ISO-8601 UTC strings: sortable, readable in the database, and what the SDK's types parse."""
     return datetime.now(UTC).isoformat()
@@ -75,6 +80,7 @@ class Records:
         db["models"].create({
             "id": str, "session_id": str, "owner": str, "base_model": str, "is_lora": int, "lora_rank": int,
             "lora_config": str, "status": str, "created": str, "last_request": str, "user_metadata": str,
+            "rolled_back": str, "rollback_unseen": int,
         }, pk="id", if_not_exists=True)
         db["futures"].create({
             "request_id": str, "owner": str, "model_id": str, "seq_id": int, "kind": str, "state": str,
@@ -115,12 +121,12 @@ class Records:
         """Bring a records file written by an older version up to ``SCHEMA_VERSION``."""
         db = self.db
         versions = [row["version"] for row in db["schema_version"].rows]
+        for table, column, kind in _ADDED_COLUMNS:
+            if column not in db[table].columns_dict:
+                db[table].add_column(column, kind)
         if 1 in versions and 2 not in versions:
             # checkpoints saved before identities existed get one each now; sampling sessions opened on them have
             # none, so they stop at their next use and are opened again (an unknown identity is never trusted)
-            for table, column in (("checkpoints", "uid"), ("samplers", "checkpoint_uid")):
-                if column not in db[table].columns_dict:
-                    db[table].add_column(column, str)
             with db.conn:
                 db.conn.execute("UPDATE checkpoints SET uid = lower(hex(randomblob(16))) WHERE uid IS NULL")
         if SCHEMA_VERSION not in versions:
@@ -180,6 +186,17 @@ class Records:
         was = self.db["models"].get(model_id)["status"]
         self.db["models"].update(model_id, {"status": status, "last_request": now()})
         RESIDENT_ADAPTERS.add((status == "active") - (was == "active"))
+
+    def set_rolled_back(self, model_id: str, notice: str) -> None:
+        """Record that the run was rolled back to a checkpoint; its owner's next request on it is told so."""
+        self.db["models"].update(model_id, {"rolled_back": notice, "rollback_unseen": 1})
+
+    def take_rollback_notice(self, model_id: str) -> str | None:
+        """The rollback notice its owner has not been told yet (marked told), or None."""
+        with self.db.conn:
+            row = self.db.conn.execute("UPDATE models SET rollback_unseen = 0 WHERE id = ? AND rollback_unseen = 1 "
+                                       "RETURNING rolled_back", [model_id]).fetchone()
+        return row[0] if row else None
 
     def set_model_lora(self, model_id: str, lora: dict[str, Any]) -> None:
         self.db["models"].update(model_id, {"lora_rank": lora["rank"], "lora_config": json.dumps(lora)})

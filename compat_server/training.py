@@ -17,7 +17,7 @@ from tinker import types
 
 from adapters.base_models import BaseModelSpec
 from adapters.disk import DiskFull
-from adapters.trainer import MAX_LORA_RANK, AdamHyper, LoraSpec, StepRequest, read_lora_spec
+from adapters.trainer import MAX_LORA_RANK, AdamHyper, LoraSpec, StepRequest, read_lora_spec, read_saved_step
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.futures import JSON, PROTOBUF, Payload
 from compat_server.records import Records
@@ -37,6 +37,11 @@ def json_payload(model: types.BaseModel) -> Payload:
 def model_id_for(session_id: str, model_seq_id: int) -> str:
     """The id format the SDK itself assumes when it creates a training client from saved state."""
     return f"{session_id}:train:{model_seq_id}"
+
+
+class RolledBack(RuntimeError):
+    """The run was rolled back to a checkpoint after a trainer crash: its owner's first request after that fails
+    with this, saying from where and what was lost, so that no training silently repeats or skips steps."""
 
 
 @contextmanager
@@ -59,6 +64,8 @@ class TrainingService:
         self.max_lora_rank = max_lora_rank
         self.max_adapters_per_key = max_adapters_per_key
         self._creating: dict[str, int] = {}
+        self._last_step: dict[str, int] = {}
+        """Each run's optimizer step, to say how many a rollback lost."""
         self.sampling = sampling
         self.scheduler = scheduler
         self.checkpoints = checkpoints
@@ -74,6 +81,14 @@ class TrainingService:
             raise NotFound(f"unknown model_id {model_id!r}")
         if row["status"] != "active":
             raise UserError(f"model {model_id} is {row['status']}; create a new training client")
+        return row
+
+    def _ordered_row(self, owner: str, model_id: str) -> dict:
+        """The run for a request in its turn: owned and active, and — once after a rollback — ``RolledBack``."""
+        row = self._owned_model(owner, model_id)
+        notice = self.records.take_rollback_notice(model_id)
+        if notice is not None:
+            raise RolledBack(notice)
         return row
 
     @contextmanager
@@ -109,7 +124,7 @@ class TrainingService:
                                                         idempotency_key=idem), model_id)
 
         async def run() -> Payload:
-            return await job(self._owned_model(owner, model_id))  # re-read: it may have been unloaded meanwhile
+            return await job(self._ordered_row(owner, model_id))  # re-read: it may have been unloaded meanwhile
 
         request_id = self.scheduler.submit(owner=owner, kind=kind, job=run, model_id=model_id, seq_id=seq_id,
                                            idempotency_key=idem)
@@ -145,15 +160,29 @@ class TrainingService:
                                                          "state; create a new training client)")
                 log.warning("run %s lost in the trainer restart: it had no saved state", row["id"])
                 continue
-            path = saved[-1]["tinker_path"]
+            path, uid = saved[-1]["tinker_path"], saved[-1]["uid"]
             try:
-                await self._load(base_model, row["id"], path, True)
+                await self._load(base_model, row["id"], path, uid, True)
             except Exception as exc:  # noqa: BLE001 - one run that cannot be reloaded must not stop the others
                 self.records.set_model_status(row["id"], f"unloaded (reloading {path} after a trainer restart "
                                                          f"failed: {exc})")
                 log.warning("run %s could not be reloaded from %s: %s", row["id"], path, exc)
                 continue
-            log.warning("run %s reloaded from %s after the trainer restart; later steps were lost", row["id"], path)
+            notice = self._rollback_notice(row["id"], path, read_saved_step(self.checkpoints.directory(path, uid)))
+            self.records.set_rolled_back(row["id"], notice)
+            log.warning("run %s reloaded from %s after the trainer restart: %s", row["id"], path, notice,
+                        extra={"event": "run_rolled_back", "model_id": row["id"], "checkpoint": path})
+
+    def _rollback_notice(self, model_id: str, path: str, saved_step: int | None) -> str:
+        last = self._last_step.get(model_id)
+        if saved_step is None or last is None:
+            lost = "the optimizer steps and accumulated gradients after it were lost"
+        else:
+            lost = (f"{last - saved_step} optimizer step(s) after it were lost (it was saved at step {saved_step}; "
+                    f"the run had reached step {last}), and any gradients accumulated since the last step")
+        self._last_step[model_id] = saved_step or 0
+        return (f"the trainer crashed and restarted, and run {model_id} was rolled back to its checkpoint {path}: "
+                f"{lost}. It trains on from that checkpoint; repeat the lost steps if you need them")
 
     def metrics(self) -> dict:
         """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches."""
@@ -249,6 +278,7 @@ class TrainingService:
                 raise UserError(f"optimizer params of type {req.optim_params.type!r} are not supported; use adam_params")
             hyper = AdamHyper(**req.optim_params.model_dump())
             metrics = await self.scheduler.trainer(row["base_model"], "optim_step", req.model_id, hyper)
+            self._last_step[req.model_id] = int(metrics["step"])
             log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
                      hyper.learning_rate, metrics["grad_norm"],
                      extra={"event": "optim_step_done", "model_id": req.model_id, "step": int(metrics["step"]),

@@ -269,6 +269,13 @@ def test_a_crashed_trainer_restarts_and_saved_runs_come_back(model_cache, tmp_pa
         metrics = httpx.get(f"{url}/api/v1/metrics", headers=HEADERS).json()
         assert metrics["training"][BASE_MODEL]["pid"] != old_pid
 
+        with pytest.raises(tinker.RequestFailedError) as told:  # the run's next request says what happened, once
+            forward_logprobs(saved, datum)
+        assert (f"rolled back to its checkpoint tinker://{saved.model_id}/weights/last-good" in str(told.value)
+                and "1 optimizer step(s) after it were lost (it was saved at step 2; the run had reached step 3)"
+                in str(told.value) and told.value.category == types.RequestErrorCategory.Server), str(told.value)
+        runs = httpx.get(f"{url}/api/v1/dashboard", headers=HEADERS).json()["training_runs"]
+        assert "last-good" in next(r for r in runs if r["id"] == saved.model_id)["rolled_back"]
         np.testing.assert_allclose(forward_logprobs(saved, datum), at_checkpoint, atol=1e-6)
         train(saved, datum, 1)  # and it trains on
         with pytest.raises(tinker.RequestFailedError, match="trainer restarted"):
