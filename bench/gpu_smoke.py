@@ -91,7 +91,7 @@ def smoke(backend: str, model: Path, device: str, data_dir: Path) -> list[str]:
         full = types.ModelInput.from_ints(PROMPT + TARGET)
 
         def metrics() -> dict:
-            return httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": KEY}).json()
+            return httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
 
         def placement() -> str:
             sampling = metrics()["sampling"][name]

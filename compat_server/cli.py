@@ -220,7 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     actions = keys.add_subparsers(dest="action", metavar="ACTION", required=True)
     create = actions.add_parser("create", help="make a new key and print it once (only its hash is stored)")
     create.add_argument("--name", required=True, help="a unique name to list and revoke the key by")
-    actions.add_parser("list", help="list keys: name, id, created, revoked")
+    create.add_argument("--admin", action="store_true",
+                        help="an operator key: GET /api/v1/metrics and the dashboard show it server-wide figures (all "
+                             "tenants' counts, latencies, drift, sampler replicas, trainer batches) instead of its "
+                             "own; works with --auth open too")
+    actions.add_parser("list", help="list keys: name, id, created, role (admin or tenant), revoked")
     revoke = actions.add_parser("revoke", help="revoke a key at once; its requests are refused with 401")
     revoke.add_argument("key", metavar="NAME_OR_ID")
     return parser
@@ -241,7 +245,7 @@ def manage_keys(args: argparse.Namespace) -> int:
     if args.action == "create":
         key = new_key()
         try:
-            records.add_key(secrets.token_hex(6), args.name, owner_of(key))
+            records.add_key(secrets.token_hex(6), args.name, owner_of(key), admin=args.admin)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -250,7 +254,8 @@ def manage_keys(args: argparse.Namespace) -> int:
     elif args.action == "list":
         for row in records.api_keys():
             state = f"revoked {row['revoked']}" if row["revoked"] else "active"
-            print(f"{row['name']}\t{row['id']}\tcreated {row['created']}\t{state}")
+            print(f"{row['name']}\t{row['id']}\tcreated {row['created']}\t{'admin' if row['admin'] else 'tenant'}\t"
+                  f"{state}")
     elif not records.revoke_key(args.key):
         print(f"error: no active key named or with id {args.key!r}", file=sys.stderr)
         return 1

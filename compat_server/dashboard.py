@@ -1,6 +1,6 @@
 """What the dashboard (``GET /``) shows one API key: its sessions, training runs with their loss curves, checkpoints,
-the sampler pool, and its recent errors. Assembled from the records and the pools; every part is scoped to the
-viewer's key, and the shared sampler pool is shown by counts only (its adapters may be other tenants')."""
+its own sampling counts, and its recent errors. Assembled from the records and the pools; every part is scoped to
+the viewer's key. Server-wide sampling counts and the sampler replicas' load are shown to operator keys only."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def loss_of(metrics: dict[str, float]) -> float | None:
 async def dashboard(records: Records, sampling: SamplingService, owner: str) -> dict:
     runs, _ = records.models_page(owner, limit=RECENT, offset=0)
     checkpoints, total_checkpoints = records.user_checkpoints(owner, limit=RECENT, offset=0)
-    pool = await sampling.metrics()
+    admin = records.is_admin(owner)
+    pool = await sampling.metrics(None if admin else owner)
     return {
         "sessions": [{"id": s["id"], "created": s["created"], "last_heartbeat": s["last_heartbeat"],
                       "finished": s["finished"], "finish_reason": s["finish_reason"]}
@@ -38,8 +39,8 @@ async def dashboard(records: Records, sampling: SamplingService, owner: str) -> 
             for c in checkpoints]},
         "samplers": {name: {"backend": stats["backend"], "requests": stats["requests"],
                             "sampled_tokens": stats["sampled_tokens"],
-                            "replicas": [{"in_flight": r["in_flight"], "resident_adapters": r["resident_adapters"]}
-                                         for r in stats["replicas"]]}
+                            **({"replicas": [{"in_flight": r["in_flight"], "resident_adapters": r["resident_adapters"]}
+                                             for r in stats["replicas"]]} if admin else {})}
                      for name, stats in pool.items()},
         "recent_errors": records.recent_failures(owner, RECENT),
     }

@@ -30,6 +30,10 @@ class Payload:
     body: bytes
 
 
+KEY_WINDOW = 1_000
+"""Durations kept per API key (the server-wide windows keep 10,000)."""
+
+
 class LatencyWindow:
     """The most recent durations of one kind (a bounded window, so memory stays flat), for p50/p99 in the metrics."""
 
@@ -58,6 +62,8 @@ class FutureHub:
         self._open: dict[str, tuple[str, str, float]] = {}
         """Unfinished futures created by this process: owner, kind, and when they were submitted."""
         self.completion = LatencyWindow()
+        self._per_key: dict[str, tuple[LatencyWindow, LatencyWindow]] = {}
+        """Each key's own completion and retrieve_future windows (what a tenant's metrics show it)."""
         """Submit to result, per future: what a client waits in all."""
         self.polls = LatencyWindow()
         """Each ``retrieve_future`` call, including the time it is held open waiting for the result."""
@@ -99,6 +105,7 @@ class FutureHub:
             self.quota.release(owner)
             seconds = time.perf_counter() - submitted
             self.completion.add(seconds)
+            self._key_windows(owner)[0].add(seconds)
             FUTURES_FINISHED.add(1, {"kind": kind, **outcome})
             FUTURE_DURATION.record(seconds, {"kind": kind})
         event = self._events.pop(request_id, None)
@@ -117,11 +124,19 @@ class FutureHub:
                 pass
             row = self.records.future(request_id, owner)
         self.polls.add(time.perf_counter() - started)
+        self._key_windows(owner)[1].add(time.perf_counter() - started)
         return row
 
     def pending_by_state(self) -> dict[str, int]:
         """Unfinished futures (the telemetry gauge); queued ones are also counted by the scheduler's queue depth."""
         return {"pending": len(self._open)}
 
-    def latency(self) -> dict:
-        return {"completion": self.completion.summary(), "retrieve_future": self.polls.summary()}
+    def _key_windows(self, owner: str) -> tuple[LatencyWindow, LatencyWindow]:
+        if owner not in self._per_key:
+            self._per_key[owner] = (LatencyWindow(KEY_WINDOW), LatencyWindow(KEY_WINDOW))
+        return self._per_key[owner]
+
+    def latency(self, owner: str | None = None) -> dict:
+        """Percentiles over the server's recent futures, or (given ``owner``) over that key's own."""
+        completion, polls = (self.completion, self.polls) if owner is None else self._key_windows(owner)
+        return {"completion": completion.summary(), "retrieve_future": polls.summary()}

@@ -26,7 +26,7 @@ _LIVE = "(expires_at is null or expires_at > ?)"
 
 
 _ADDED_COLUMNS = (("checkpoints", "uid", str), ("samplers", "checkpoint_uid", str), ("models", "rolled_back", str),
-                  ("models", "rollback_unseen", int))
+                  ("models", "rollback_unseen", int), ("api_keys", "admin", int))
 """Columns added since schema 1, added to an older file at open."""
 
 
@@ -100,7 +100,7 @@ class Records:
             "sequence_id": str, "session_id": str, "owner": str, "prompt": str, "tokens": str, "logprobs": str,
             "created": str, "last_used": str,
         }, pk="sequence_id", if_not_exists=True)
-        db["api_keys"].create({"id": str, "name": str, "owner": str, "created": str, "revoked": str},
+        db["api_keys"].create({"id": str, "name": str, "owner": str, "created": str, "revoked": str, "admin": int},
                                pk="id", if_not_exists=True)
         db["telemetry"].create({"id": int, "owner": str, "session_id": str, "events": int, "received": str},
                                pk="id", if_not_exists=True)
@@ -367,14 +367,19 @@ class Records:
         return self._owned("samplers", sampler_id, owner)
 
     # ---- API keys (--auth keys) ----------------------------------------------------------------------------------
-    def add_key(self, key_id: str, name: str, owner: str) -> None:
+    def add_key(self, key_id: str, name: str, owner: str, admin: bool = False) -> None:
         """Register a key by its tenant hash (the key itself is never stored)."""
         if self.db["api_keys"].count_where("name = ?", [name]):
             raise ValueError(f"a key named {name!r} already exists")
-        self.db["api_keys"].insert({"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None})
+        self.db["api_keys"].insert({"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None,
+                                    "admin": int(admin)})
 
     def api_keys(self) -> list[dict]:
-        return list(self.db["api_keys"].rows_where(order_by="created", select="id, name, created, revoked"))
+        return list(self.db["api_keys"].rows_where(order_by="created", select="id, name, created, revoked, admin"))
+
+    def is_admin(self, owner: str) -> bool:
+        """An operator key (``keys create --admin``), not revoked: it may see server-wide figures."""
+        return self.db["api_keys"].count_where("owner = ? AND revoked IS NULL AND admin = 1", [owner]) > 0
 
     def revoke_key(self, name_or_id: str) -> bool:
         """Revoke by name or id; False when no active key matches."""

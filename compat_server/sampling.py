@@ -9,14 +9,11 @@ how far the sampler's logprobs drift from the trainer's for the same tokens.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tinker import types
@@ -27,9 +24,10 @@ from adapters.sampler_pool import SamplerPool
 from compat_server.checkpoints import CheckpointStore, parse_path
 from compat_server.futures import PROTOBUF, Payload
 from compat_server.records import Records
+from compat_server.sampling_stats import SamplingMeter
 from compat_server.scheduler import Scheduler
 from compat_server.stability import StabilityStore
-from compat_server.telemetry import TOKENS_SAMPLED, tracer
+from compat_server.telemetry import tracer
 from shims.errors import NotFound, UserError
 from shims.sampling_wire import (
     SampleJob,
@@ -58,6 +56,8 @@ class Target:
     saved again under its name or expired since the request (or its sampling session) began is refused then."""
 
     base_model: str
+    owner: str
+    """The key it samples for: its metrics count the request."""
     weights: Callable[[], AdapterRef | None] = _base_weights
 
 
@@ -71,54 +71,6 @@ class SamplingOptions:
     """Unnamed sampler saves (snapshots and inflight versions) kept on disk per training model."""
     stability_ttl_seconds: float = 86400.0
     """How long recorded stability info stays usable after its last use (Tinker: one day)."""
-
-
-@dataclass
-class SamplingStats:
-    """Counters per base model, reported by ``GET /api/v1/metrics``."""
-
-    requests: int = 0
-    failed: int = 0
-    sequences: int = 0
-    sampled_tokens: int = 0
-    prompt_tokens: int = 0
-    busy_seconds: float = 0.0
-    """Wall-clock time with at least one request of this base model running (overlaps counted once)."""
-    _running: int = field(default=0, repr=False)
-    _busy_since: float = field(default=0.0, repr=False)
-    drift_probes: int = 0
-    drift_last: float | None = None
-    drift_max: float = 0.0
-    drift_sum: float = 0.0
-    _probing: bool = field(default=False, repr=False)
-
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """Count one request for its whole run: busy time, and a failure if it raises."""
-        if not self._running:
-            self._busy_since = time.perf_counter()
-        self._running += 1
-        self.requests += 1
-        try:
-            yield
-        except Exception:
-            self.failed += 1
-            raise
-        finally:
-            self._running -= 1
-            if not self._running:
-                self.busy_seconds += time.perf_counter() - self._busy_since
-
-    def as_dict(self) -> dict:
-        return {
-            "requests": self.requests, "failed": self.failed, "sequences": self.sequences,
-            "sampled_tokens": self.sampled_tokens, "prompt_tokens": self.prompt_tokens,
-            "sampled_tokens_per_second": self.sampled_tokens / self.busy_seconds if self.busy_seconds else 0.0,
-            "logprob_drift": {
-                "probes": self.drift_probes, "last_max_abs": self.drift_last, "max_abs": self.drift_max,
-                "mean_of_max_abs": self.drift_sum / self.drift_probes if self.drift_probes else None,
-            },
-        }
 
 
 def sampler_id_for(session_id: str, sampling_session_seq_id: int) -> str:
@@ -142,7 +94,7 @@ class SamplingService:
                                  max_num_samples=options.max_num_samples, max_logprobs_k=options.max_logprobs_k)
             for name, facts in samplers.facts.items()
         }
-        self.stats = {name: SamplingStats() for name in base_models}
+        self.meter = SamplingMeter(list(base_models), options.drift_probe_every, self._score)
         # Unnamed saves do not outlive the process that made them (their training model does not either).
         self.ephemeral_root = ephemeral_root
         shutil.rmtree(ephemeral_root, ignore_errors=True)
@@ -150,7 +102,6 @@ class SamplingService:
         self._ephemeral: dict[str, list[Path]] = {}
         self._inflight: dict[str, AdapterRef] = {}
         self._counter = 0
-        self._probes: set[asyncio.Task] = set()
 
     # ---- sampling sessions ----------------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, req: types.CreateSamplingSessionRequest) -> str:
@@ -204,6 +155,10 @@ class SamplingService:
         self._base(ckpt["base_model"])  # trained on a base model this server no longer serves
         return ckpt, AdapterRef(f"{path}@{ckpt['uid']}", str(directory))
 
+    async def _score(self, base_model: str, adapter: AdapterRef | None, tokens: list[int]) -> list[float]:
+        """The trainer's logprobs of ``tokens`` under the same weights (for the drift probe)."""
+        return await self.scheduler.trainer(base_model, "score", adapter.directory if adapter else None, tokens)
+
     # ---- ephemeral sampler weights ---------------------------------------------------------------------------------
     def ephemeral_directory(self, model_id: str) -> Path:
         """A fresh directory for an unnamed save of ``model_id``'s weights."""
@@ -241,12 +196,12 @@ class SamplingService:
             row = self.records.sampler(req.sampling_session_id, owner)
             if row is None:
                 raise NotFound(f"unknown sampling session {req.sampling_session_id!r}")
-            target = Target(row["base_model"], lambda: self._session_weights(owner, row["id"]))
+            target = Target(row["base_model"], owner, lambda: self._session_weights(owner, row["id"]))
         elif req.model_path:
             target = self._checkpoint_target(owner, req.model_path)
             row = None
         elif req.base_model:
-            target, row = Target(self._base(req.base_model).name), None
+            target, row = Target(self._base(req.base_model).name, owner), None
         else:
             raise UserError("a sample request needs a sampling_session_id, a model_path or a base_model")
         target.weights()
@@ -255,7 +210,7 @@ class SamplingService:
     def _checkpoint_target(self, owner: str, path: str) -> Target:
         """A sampler checkpoint readable by ``owner`` now, as a target that stays on this very save."""
         ckpt, _ = self._sampler_checkpoint(owner, path)
-        return Target(ckpt["base_model"], lambda: self._sampler_checkpoint(owner, path, ckpt["uid"])[1])
+        return Target(ckpt["base_model"], owner, lambda: self._sampler_checkpoint(owner, path, ckpt["uid"])[1])
 
     def _session_weights(self, owner: str, sampler_id: str) -> AdapterRef | None:
         """The weights of a sampling session, re-read and re-checked at each use (inflight weights may have moved;
@@ -316,7 +271,7 @@ class SamplingService:
         if not path.startswith("tinker://"):
             if path not in self.base_models:
                 raise ModelNotFound(f"the model {model!r} does not exist; GET /v1/models lists the models you can use")
-            return Target(path)
+            return Target(path, owner)
         try:
             target = self._checkpoint_target(owner, path)
         except UserError as exc:
@@ -326,69 +281,36 @@ class SamplingService:
         return target
 
     async def run_job(self, target: Target, job: SampleJob) -> SampleResult:
-        """Sample ``job`` on the pool, counting it in the metrics."""
+        """Sample ``job`` on the pool, counting it in the metrics (the server's and its key's)."""
         base_model = target.base_model
-        with self.stats[base_model].running(), tracer.start_as_current_span("sampler.sample", attributes={
+        with self.meter.running(base_model, target.owner), tracer.start_as_current_span("sampler.sample", attributes={
                 "compat_server.base_model": base_model, "compat_server.num_samples": job.num_samples}):
             adapter = target.weights()
             result = await self.samplers.sample(base_model, adapter, job)
-        self._count(base_model, adapter, job, result)
+        self.meter.count(base_model, target.owner, adapter, job, result)
         return result
 
     async def stream_job(self, target: Target, job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
         """``run_job``, yielding lists of tokens as they are sampled before the result."""
         base_model = target.base_model
-        with self.stats[base_model].running(), tracer.start_as_current_span("sampler.stream", attributes={
+        with self.meter.running(base_model, target.owner), tracer.start_as_current_span("sampler.stream", attributes={
                 "compat_server.base_model": base_model, "compat_server.num_samples": job.num_samples}):
             adapter = target.weights()
             async for item in self.samplers.stream(base_model, adapter, job):
                 if isinstance(item, SampleResult):
-                    self._count(base_model, adapter, job, item)
+                    self.meter.count(base_model, target.owner, adapter, job, item)
                 yield item
 
-    def _count(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, result: SampleResult) -> None:
-        stats = self.stats[base_model]
-        stats.sequences += len(result.sequences)
-        sampled = sum(len(s.tokens) for s in result.sequences)
-        stats.sampled_tokens += sampled
-        TOKENS_SAMPLED.add(sampled, {"base_model": base_model})
-        stats.prompt_tokens += len(job.prompt)
-        self._maybe_probe(base_model, adapter, job, result)
-
-    # ---- rollout-vs-train drift -----------------------------------------------------------------------------------
-    def _maybe_probe(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, result: SampleResult) -> None:
-        every = self.options.drift_probe_every
-        stats = self.stats[base_model]
-        seq = next((s for s in result.sequences if s.tokens), None)
-        if not every or stats._probing or seq is None or (stats.requests - 1) % every:
-            return
-        stats._probing = True
-        task = asyncio.get_running_loop().create_task(self._probe(base_model, adapter, job, seq.tokens, seq.logprobs))
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
-
-    async def _probe(self, base_model: str, adapter: AdapterRef | None, job: SampleJob, tokens: list[int],
-                     sampler_logprobs: list[float]) -> None:
-        stats = self.stats[base_model]
-        try:
-            trainer_logprobs = await self.scheduler.trainer(
-                base_model, "score", adapter.directory if adapter else None, [*job.prompt, *tokens])
-            gap = max(abs(a - b) for a, b in zip(trainer_logprobs[len(job.prompt) - 1:], sampler_logprobs))
-        except Exception as exc:  # noqa: BLE001 - a probe is best effort; the weights may have been superseded
-            log.debug("logprob drift probe skipped: %s", exc)
-            return
-        finally:
-            stats._probing = False
-        stats.drift_probes += 1
-        stats.drift_last = gap
-        stats.drift_max = max(stats.drift_max, gap)
-        stats.drift_sum += gap
-        log.info("logprob drift %s (%s): max |sampler − trainer| = %.2e over %d sampled tokens", base_model,
-                 adapter.key if adapter else "base", gap, len(tokens))
-
-    async def metrics(self) -> dict:
-        pool = await self.samplers.stats()
+    async def metrics(self, owner: str | None = None) -> dict:
+        """Per base model: the server's figures and its sampler replicas (``owner`` None: an operator), or one
+        key's own figures and no replica details (another tenant's load and adapters are not its business)."""
         facts = self.samplers.facts
-        return {name: {**stats.as_dict(), "backend": facts[name].backend, "device": facts[name].device,
-                       "dtype": facts[name].dtype, "replicas": pool[name]}
-                for name, stats in self.stats.items()}
+        pool = await self.samplers.stats() if owner is None else {}
+        out = {}
+        for name in self.base_models:
+            described = {"backend": facts[name].backend, "device": facts[name].device, "dtype": facts[name].dtype}
+            if owner is None:
+                out[name] = {**self.meter.server[name].as_dict(), **described, "replicas": pool[name]}
+            else:
+                out[name] = {**self.meter.of_key(name, owner).as_dict(), **described}
+        return out

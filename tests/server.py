@@ -25,6 +25,12 @@ class RunningServer:
     base_url: str
     data_dir: Path
     log_path: Path
+    admin_key: str
+    """An operator key (``keys create --admin``): the one that sees server-wide metrics."""
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"X-API-Key": self.admin_key}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -55,6 +61,17 @@ def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = 
     raise AssertionError("unreachable")
 
 
+def _admin_key(data_dir: Path) -> str:
+    """The data directory's operator key for the tests, made once (a restarted server keeps it)."""
+    kept = data_dir / "test-admin-key"
+    if not kept.exists():
+        made = subprocess.run([sys.executable, "-m", "compat_server.cli", "keys", "--data-dir", str(data_dir),
+                               "create", "--admin", "--name", "test-operator"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        kept.write_text(made.stdout.strip())
+    return kept.read_text()
+
+
 class PortTaken(RuntimeError):
     pass
 
@@ -63,6 +80,7 @@ def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str]
                 timeout: float) -> RunningServer:
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
+    admin_key = _admin_key(data_dir)
     log_path = data_dir / "server.log"
     log_file = open(log_path, "wb")  # noqa: SIM115 - the child process writes to it for its whole life
     process = subprocess.Popen(
@@ -70,7 +88,7 @@ def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str]
          "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args],
         stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
     )
-    server = RunningServer(process, f"http://127.0.0.1:{port}", data_dir, log_path)
+    server = RunningServer(process, f"http://127.0.0.1:{port}", data_dir, log_path, admin_key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

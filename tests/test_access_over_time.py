@@ -145,3 +145,37 @@ def test_an_expired_checkpoint_is_refused_at_once_not_when_its_files_are_swept(t
     assert_refused(alices)
     assert_refused(bobs)
     assert httpx.get(url).status_code == 404
+
+
+def test_metrics_and_dashboard_show_a_key_its_own_figures_and_an_operator_the_servers(tenants):
+    """Once, every key saw server-wide figures: other tenants' request and token counts, latencies, the drift of
+    their adapters, the replicas' load. Now a key sees its own; an operator key (``keys create --admin``) the
+    server's."""
+    server, issued, clients = tenants
+
+    def metrics(headers: dict) -> dict:
+        return httpx.get(f"{server.base_url}/api/v1/metrics", headers=headers).json()
+
+    bob = {"X-API-Key": issued["bob"]}
+    bobs_before, server_before = metrics(bob), metrics(server.admin)
+    samplers = {name: clients[name].create_sampling_client(base_model=BASE_MODEL).result() for name in clients}
+    for name, count in (("bob", 3), ("alice", 2)):
+        for _ in range(count):
+            sample_once(samplers[name])
+    bobs, everyone = metrics(bob), metrics(server.admin)
+
+    def grew(after: dict, before: dict, field: str) -> int:
+        return after["sampling"][BASE_MODEL][field] - before["sampling"][BASE_MODEL][field]
+
+    assert bobs["scope"] == "key" and grew(bobs, bobs_before, "requests") == 3  # alice's two are not his
+    assert grew(bobs, bobs_before, "sampled_tokens") == 3 * 3
+    assert "replicas" not in bobs["sampling"][BASE_MODEL] and "training" not in bobs
+    assert bobs["futures"]["completion"]["count"] - bobs_before["futures"]["completion"]["count"] == 3
+    assert everyone["scope"] == "server" and grew(everyone, server_before, "requests") == 5
+    assert everyone["sampling"][BASE_MODEL]["replicas"] and BASE_MODEL in everyone["training"]
+    assert everyone["futures"]["completion"]["count"] > bobs["futures"]["completion"]["count"]
+
+    board = httpx.get(f"{server.base_url}/api/v1/dashboard", headers=bob).json()["samplers"][BASE_MODEL]
+    assert board["requests"] == bobs["sampling"][BASE_MODEL]["requests"] and "replicas" not in board
+    assert "replicas" in httpx.get(f"{server.base_url}/api/v1/dashboard", headers=server.admin).json()["samplers"][
+        BASE_MODEL]

@@ -104,7 +104,7 @@ def test_32_clients_train_and_sample_at_once_with_no_lost_or_duplicated_futures(
         elapsed = time.monotonic() - started
         monitor.stopped.set()
         monitor.join()
-        metrics = httpx.get(f"{url}/api/v1/metrics", headers={"X-API-Key": "tml-test-load-0"}).json()
+        metrics = httpx.get(f"{url}/api/v1/metrics", headers=server.admin).json()
 
         # Exactly one future per call, every one finished well.
         records = sqlite3.connect(f"file:{server.data_dir / 'records.sqlite3'}?mode=ro", uri=True)

@@ -103,7 +103,7 @@ def test_a_stream_of_several_choices_gives_each_its_text_finish_reason_and_usage
 
 
 def _decoded_tokens(server) -> int:
-    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
     return sum(replica["decoded_tokens"] for replica in metrics["sampling"][BASE_MODEL]["replicas"])
 
 

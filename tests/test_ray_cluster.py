@@ -86,7 +86,7 @@ def test_trainer_and_samplers_on_different_nodes(cluster, model_cache, tmp_path)
     try:
         nodes = json.loads(subprocess.run([sys.executable, "-c", NODES.format(address=address)], env=env,
                                           capture_output=True, text=True, timeout=120, check=True).stdout)
-        metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-cluster"}).json()
+        metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
         assert nodes[metrics["training"][BASE_MODEL]["node"]] == ["trainer_node"]
         assert [nodes[r["node"]] for r in metrics["sampling"][BASE_MODEL]["replicas"]] == [["sampler_node"]]
 

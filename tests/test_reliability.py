@@ -259,14 +259,14 @@ def test_a_crashed_trainer_restarts_and_saved_runs_come_back(model_cache, tmp_pa
         assert np.abs(forward_logprobs(saved, datum) - at_checkpoint).max() > 1e-4
         train(unsaved, datum, 1)
 
-        metrics = httpx.get(f"{url}/api/v1/metrics", headers=HEADERS).json()
+        metrics = httpx.get(f"{url}/api/v1/metrics", headers=server.admin).json()
         old_pid = metrics["training"][BASE_MODEL]["pid"]
         psutil.Process(old_pid).kill()
         deadline = time.monotonic() + 120
         while "reloaded from" not in server.log() or "lost in the trainer restart" not in server.log():
             assert time.monotonic() < deadline, server.log()[-3000:]
             time.sleep(0.5)
-        metrics = httpx.get(f"{url}/api/v1/metrics", headers=HEADERS).json()
+        metrics = httpx.get(f"{url}/api/v1/metrics", headers=server.admin).json()
         assert metrics["training"][BASE_MODEL]["pid"] != old_pid
 
         with pytest.raises(tinker.RequestFailedError) as told:  # the run's next request says what happened, once

@@ -37,7 +37,7 @@ def test_adapters_stick_to_one_replica_and_results_are_right(two_sampler_server)
         for which, future in futures:
             assert future.result().sequences[0].tokens == expected[which]
         metrics = httpx.get(f"{two_sampler_server.base_url}/api/v1/metrics",
-                            headers={"X-API-Key": "tml-pool"}).json()["sampling"][BASE_MODEL]
+                            headers=two_sampler_server.admin).json()["sampling"][BASE_MODEL]
         replicas = metrics["replicas"]
         assert len(replicas) == 2
         assert sum(r["resident_adapters"] for r in replicas) == 2  # each adapter loaded on exactly one replica

@@ -226,7 +226,7 @@ def test_metrics_report_batching_and_logprob_drift(server, base_sampler):
     futures = [base_sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3, seed=i)) for i in range(4)]
     for future in futures:
         future.result()
-    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
     sampling = metrics["sampling"][BASE_MODEL]
     assert sampling["backend"] in ("transformers", "vllm") and sampling["requests"] >= 4
     assert sampling["device"] == "cpu" and sampling["dtype"] == "float32"
@@ -286,7 +286,7 @@ def test_another_tenant_cannot_sample_private_weights(server, memorized):
 
 
 def sampling_metrics(server) -> dict:
-    return httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()["sampling"][
+    return httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()["sampling"][
         BASE_MODEL]
 
 

@@ -206,11 +206,11 @@ def test_concurrent_runs_share_trainer_batches_and_get_their_own_results(service
     for client, datum in zip(clients, data, strict=True):  # a first step, so every adapter differs from the base
         client.forward_backward([datum], "cross_entropy").result()
         client.optim_step(ADAM).result()
-    before = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    before = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
     for _ in range(3):
         futures = [c.forward_backward([d] * 4, "cross_entropy") for c, d in zip(clients, data, strict=True)]
         together = [f.result() for f in futures]
-    after = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": "tml-test-main"}).json()
+    after = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
     stats, earlier = after["training"][BASE_MODEL], before["training"][BASE_MODEL]
     requests, batches = stats["requests"] - earlier["requests"], stats["batches"] - earlier["batches"]
     assert requests >= 3 * len(clients) and batches < requests, (requests, batches)  # requests shared batches

@@ -38,13 +38,19 @@ async def asample(request: Request, owner: NamedDependency[str], services: Named
 
 @get(f"{API}/metrics")
 async def metrics(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
-    """Per base model: sampling counters, sampled tokens/s, the sampler replicas' load and resident adapters, the
-    measured gap between sampler and trainer logprobs for the same tokens (rollout-vs-train drift), and how many
-    training requests shared each trainer batch; and the calling key's own request count against
-    ``--max-pending-per-key`` (unfinished now, and refused with 429 so far); and futures' latency percentiles over
-    the server's most recent ones (submit to result, and each ``retrieve_future`` call)."""
-    return {"sampling": await services.sampling.metrics(), "training": services.training.metrics(),
-            "requests": services.quota.usage(owner), "futures": services.hub.latency()}
+    """The caller's own figures: per base model, its sampling counters, sampled tokens/s and the logprob drift
+    measured on its requests (sampler vs trainer for the same tokens); its request count against
+    ``--max-pending-per-key`` (unfinished now, refused with 429 so far); and its futures' latency percentiles.
+
+    An operator key (``compat-server keys create --admin``) sees the server's figures instead: every tenant's
+    counts together, the sampler replicas' load and resident adapters, how many training requests shared each
+    trainer batch, and all futures' latencies. The same server-wide figures go to the OpenTelemetry export."""
+    scope = None if services.records.is_admin(owner) else owner
+    answer = {"scope": "server" if scope is None else "key", "sampling": await services.sampling.metrics(scope),
+              "requests": services.quota.usage(owner), "futures": services.hub.latency(scope)}
+    if scope is None:
+        answer["training"] = services.training.metrics()
+    return answer
 
 
 SAMPLING_ROUTES = [create_sampling_session, get_sampler, asample, metrics]
