@@ -23,7 +23,7 @@ from adapters.trainer import read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.downloads import DownloadGrant, UrlSigner
 from compat_server.records import Records
-from compat_server.training import model_id_for
+from compat_server.training_core import model_id_for
 from shims.errors import NotFound, UserError
 
 log = logging.getLogger("compat_server.runs")
