@@ -31,6 +31,8 @@ class LossSpec:
     config_defaults: dict[str, float | str] = field(default_factory=dict)
     server_inputs: tuple[str, ...] = ()
     """Inputs the server attaches itself (from what it recorded at sampling time); a client may not send them."""
+    optional_inputs: tuple[str, ...] = ()
+    """Inputs a client may leave out; the loss function supplies their default."""
 
 
 def _cross_entropy(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
@@ -72,6 +74,22 @@ def _dro(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config:
     return -(target_logprobs * inputs["advantages"] - 0.5 * beta * drift**2).sum()
 
 
+def _sequence_ratio_positions(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The positions gspo's sequence ratio averages over: ``sequence_ratio_mask != 0`` when the client sends it.
+
+    The SDK declares ``sequence_ratio_mask`` optional (``tinker/types/datum.py`` types it but no client code requires
+    it), and tinker-cookbook 0.6.1's common RL path (``tinker_cookbook.rl.train`` via ``rl/data_processing.py``)
+    never sends it: its data carry ``logprobs = 0`` and ``advantages = 0`` on every observation (prompt) position and
+    the sampler's logprob and the trajectory's advantage on each sampled token. Tinker's docs state no default in
+    what could be read, so the default is the positions that carry an RL signal, ``logprobs != 0 or advantages !=
+    0``: on the cookbook's data this is exactly the mask its ``recipes/rl_loop.py`` sends explicitly (0 on the
+    prompt, 1 on sampled tokens). A datum with no such position has all advantages zero, so its loss is 0.
+    """
+    if "sequence_ratio_mask" in inputs:
+        return inputs["sequence_ratio_mask"] != 0
+    return (inputs["logprobs"] != 0) | (inputs["advantages"] != 0)
+
+
 def _gspo(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
     """GSPO-token, as Tinker documents it: every token carries the value of the sequence ratio
     ``s = exp(mean over sequence_ratio_mask of (logprobs_learner − logprobs_sampler))`` with the gradient of its own
@@ -82,8 +100,9 @@ def _gspo(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config
     1.0004), because a sequence-level (geometric-mean) ratio moves far less than a token ratio and PPO's 0.8 / 1.2
     would never clip it.
     """
-    in_ratio = inputs["sequence_ratio_mask"] != 0
-    log_ratio = (target_logprobs.detach() - inputs["logprobs"])[in_ratio].mean()
+    in_ratio = _sequence_ratio_positions(inputs)
+    log_ratio = (target_logprobs.detach() - inputs["logprobs"])[in_ratio].mean() if in_ratio.any() \
+        else target_logprobs.new_zeros(())
     ratio = torch.exp(log_ratio + target_logprobs - target_logprobs.detach())
     advantages = inputs["advantages"]
     clipped = torch.clamp(ratio, float(config["clip_low_threshold"]), float(config["clip_high_threshold"]))
@@ -120,7 +139,7 @@ LOSSES: dict[str, LossSpec] = {
         LossSpec("ppo", _ppo, required_inputs=RL_INPUTS, config_defaults=dict(zip(CLIP, (0.8, 1.2)))),
         LossSpec("cispo", _cispo, required_inputs=RL_INPUTS, config_defaults=dict(zip(CLIP, (0.0, 4.0)))),
         LossSpec("dro", _dro, required_inputs=RL_INPUTS, config_defaults={"beta": 0.05}),
-        LossSpec("gspo", _gspo, required_inputs=(*RL_INPUTS, "sequence_ratio_mask"),
+        LossSpec("gspo", _gspo, required_inputs=RL_INPUTS, optional_inputs=("sequence_ratio_mask",),
                  config_defaults=dict(zip(CLIP, (1 - 3e-4, 1 + 4e-4)))),
         LossSpec("stable_reinforce", _stable_reinforce, required_inputs=RL_INPUTS,
                  config_defaults={"clip_high_threshold": 2.0, "kl_coeff": 0.0},
@@ -168,7 +187,7 @@ def check_datum(loss_fn: str, index: int, tokens: np.ndarray, inputs: Mapping[st
     missing = [name for name in spec.required_inputs + spec.server_inputs if name not in inputs]
     if missing:
         raise UserError(f"{where}: loss {loss_fn!r} needs loss_fn_inputs {missing}; got {sorted(inputs)}")
-    extra = sorted(set(inputs) - set(spec.required_inputs) - set(spec.server_inputs))
+    extra = sorted(set(inputs) - set(spec.required_inputs) - set(spec.server_inputs) - set(spec.optional_inputs))
     if extra:
         raise UserError(f"{where}: loss {loss_fn!r} does not use loss_fn_inputs {extra}")
     target_shape = inputs["target_tokens"].shape

@@ -69,7 +69,7 @@ def test_supervised_learning_on_the_cookbooks_conversations(python, server, tmp_
     assert assert_checkpoints_listed(server, key, tmp_path) >= 2  # the periodic save and the final one
 
 
-@pytest.mark.parametrize("loss_fn", ["stable_reinforce", "importance_sampling", "ppo"])
+@pytest.mark.parametrize("loss_fn", ["stable_reinforce", "importance_sampling", "ppo", "gspo"])
 def test_math_rl_arithmetic(python, server, tmp_path, loss_fn):
     key = f"tml-test-cookbook-rl-{loss_fn}"
     extra = [] if loss_fn == "stable_reinforce" else [f"loss_fn={loss_fn}"]  # stable_reinforce is its default

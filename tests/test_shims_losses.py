@@ -148,6 +148,39 @@ def test_gspo_ratio_uses_only_masked_tokens():
                     vocab_size=50, max_context=10)
 
 
+def test_gspo_without_a_mask_takes_the_ratio_over_the_positions_that_carry_a_signal():
+    """The cookbook's rl.train path sends no sequence_ratio_mask: its prompt positions carry logprobs 0 and
+    advantages 0. Leaving the mask out must equal sending rl_loop's explicit mask (0 on the prompt, 1 on samples)."""
+    rng = np.random.default_rng(3)
+    n, prompt = 12, 4
+    sampler = -rng.exponential(size=n)
+    advantages = np.full(n, 0.7)
+    sampler[:prompt], advantages[:prompt] = 0.0, 0.0
+    learner = -rng.exponential(size=n)  # the learner's prompt logprobs are far from 0: they must not enter s
+    mask = (np.arange(n) >= prompt).astype(np.float64)
+    resolved = resolve_config("gspo", {"clip_low_threshold": 0.2, "clip_high_threshold": 5.0})
+    grads, losses = [], []
+    for extra in ({}, {"sequence_ratio_mask": torch.tensor(mask)}):
+        lp = torch.tensor(learner, requires_grad=True)
+        loss = datum_loss("gspo", lp, {"logprobs": torch.tensor(sampler), "advantages": torch.tensor(advantages),
+                                       **extra}, resolved)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(lp.grad.numpy())
+    value, grad = reference_gspo(learner, sampler, advantages, mask, 0.2, 5.0)
+    assert losses[0] == pytest.approx(value, rel=1e-9) and losses[1] == pytest.approx(value, rel=1e-9)
+    np.testing.assert_allclose(grads[0], grad, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(grads[1], grad, rtol=1e-9, atol=1e-12)
+    check_datum("gspo", 0, np.arange(n), {"target_tokens": np.arange(n), "logprobs": sampler.astype(np.float32),
+                                          "advantages": advantages.astype(np.float32)}, vocab_size=50, max_context=20)
+    # A datum with no signal at all (every advantage 0) has loss 0 and a zero gradient, not NaN.
+    lp = torch.tensor(learner, requires_grad=True)
+    empty = datum_loss("gspo", lp, {"logprobs": torch.zeros(n, dtype=torch.float64),
+                                    "advantages": torch.zeros(n, dtype=torch.float64)}, resolved)
+    empty.backward()
+    assert float(empty.detach()) == 0.0 and not lp.grad.any()
+
+
 @pytest.mark.parametrize("config", [{}, {"kl_coeff": 0.2}, {"clip_high_threshold": 1.1, "kl_coeff": 0.05}])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_stable_reinforce_value_and_gradient_match_reference(config, seed):
