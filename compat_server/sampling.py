@@ -22,7 +22,7 @@ from adapters.base_models import BaseModelSpec
 from adapters.sampler import AdapterRef
 from adapters.sampler_pool import SamplerPool
 from compat_server.checkpoints import CheckpointStore, parse_path
-from compat_server.futures import PROTOBUF, Payload
+from compat_server.futures import PROTOBUF, Payload, poll_group
 from compat_server.records import Records
 from compat_server.sampling_stats import SamplingMeter
 from compat_server.scheduler import Scheduler
@@ -237,8 +237,10 @@ class SamplingService:
     def asample(self, owner: str, req: types.SampleRequest, idem: str | None) -> dict:
         """Answer ``{request_id, sample_sequence_ids}`` at once; a bad request answers a future failed as a user
         error, like the training routes."""
+        group = None
         if req.sampling_session_id is not None and req.seq_id is not None:
             prefix = f"{req.sampling_session_id}:{req.seq_id}"
+            group = poll_group(req.sampling_session_id, req.seq_id)
         else:  # a one-off request outside a sampling session
             prefix = f"sample-{uuid.uuid4().hex}"
         count = max(0, min(req.num_samples, self.options.max_num_samples))
@@ -250,7 +252,8 @@ class SamplingService:
                 raise UserError("record_stability_info needs a sampling session (stability info belongs to the "
                                 "session that sampled it): sample through a sampling client")
         except UserError as exc:
-            request_id = self.scheduler.fail_now(owner=owner, kind="sample", message=str(exc), idempotency_key=idem)
+            request_id = self.scheduler.fail_now(owner=owner, kind="sample", message=str(exc), idempotency_key=idem,
+                                                 poll_group=group)
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
         async def run() -> Payload:
@@ -260,7 +263,7 @@ class SamplingService:
                                       [(s.tokens, s.logprobs) for s in result.sequences])
             return Payload(PROTOBUF, encode_sample_response(result, job))
 
-        request_id = self.scheduler.submit(owner=owner, kind="sample", job=run, idempotency_key=idem)
+        request_id = self.scheduler.submit(owner=owner, kind="sample", job=run, idempotency_key=idem, poll_group=group)
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # ---- the one sampling path (Tinker asample and the OpenAI routes) --------------------------------------------

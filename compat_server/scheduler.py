@@ -72,9 +72,11 @@ class Scheduler:
         self.gap_timeout = gap_timeout
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._unordered: dict[str, asyncio.Task] = {}
+        """Running jobs outside any model's order (samples), by request id: what ``cancel`` can stop."""
 
     def submit(self, *, owner: str, kind: str, job: Job, model_id: str | None = None, seq_id: int | None = None,
-               idempotency_key: str | None = None) -> str:
+               idempotency_key: str | None = None, poll_group: str | None = None) -> str:
         """Create the future and queue its job; returns the request id at once.
 
         Jobs with a ``seq_id`` run in that model's order; jobs without one (model creation) run immediately.
@@ -84,12 +86,13 @@ class Scheduler:
         if lane is not None and seq_id in lane.waiting:
             return lane.waiting[seq_id].request_id  # the same turn resubmitted (a retry with a fresh idempotency key)
         request_id, created = self.hub.create(owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
-                                              idempotency_key=idempotency_key)
+                                              idempotency_key=idempotency_key, poll_group=poll_group)
         if not created:
             return request_id
         queued = _Queued.start(request_id, kind, job, model_id, seq_id)
         if lane is None:
-            self._spawn(self._run(queued))
+            task = self._unordered[request_id] = self._spawn(self._run(queued))
+            task.add_done_callback(lambda _: self._unordered.pop(request_id, None))
             return request_id
         if seq_id < lane.next_seq:
             if not lane.was_skipped(seq_id):
@@ -104,10 +107,11 @@ class Scheduler:
             lane.runner = self._spawn(self._drain(model_id, lane))
         return request_id
 
-    def fail_now(self, *, owner: str, kind: str, message: str, idempotency_key: str | None = None) -> str:
+    def fail_now(self, *, owner: str, kind: str, message: str, idempotency_key: str | None = None,
+                 poll_group: str | None = None) -> str:
         """A future that is already failed with a user error (for requests rejected before any work)."""
         request_id, created = self.hub.create(owner=owner, model_id=None, seq_id=None, kind=kind,
-                                              idempotency_key=idempotency_key)
+                                              idempotency_key=idempotency_key, poll_group=poll_group)
         if created:
             self.hub.fail(request_id, message, "user")
         return request_id
@@ -148,6 +152,17 @@ class Scheduler:
                 self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
             else:
                 self.hub.complete(request_id, payload)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a running sample (``cancel_future``): its sampler work is cancelled, as for an OpenAI client that
+        disconnects, and its future fails saying so. False if it is not running (finished, unknown, or a training
+        request, which keeps its place in the model's order)."""
+        task = self._unordered.pop(request_id, None)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        self.hub.fail(request_id, "cancelled: the client abandoned this request (cancel_future)", "user")
+        return True
 
     def queue_depth(self) -> int:
         """Jobs waiting for their turn in a model's order (the telemetry's queue depth)."""

@@ -191,3 +191,18 @@ def reference_stable_reinforce(learner, client_lp, advantages, recorded, recorde
     on = recorded_mask != 0
     value = -(w * learner * advantages).sum() + 0.5 * kl_coeff * ((learner - q)[on] ** 2).sum()
     return float(value), -w * advantages + kl_coeff * np.where(on, learner - q, 0.0)
+
+
+def decoded_tokens(server) -> int:
+    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
+    return sum(replica["decoded_tokens"] for replica in metrics["sampling"][BASE_MODEL]["replicas"])
+
+
+def settled_decoded_tokens(server) -> int:
+    """The sampler's decoded-token count once it stops changing (unchanged over three readings, half a second apart)."""
+    readings = [decoded_tokens(server)]
+    while len(readings) < 3 or len(set(readings[-3:])) > 1:
+        assert len(readings) < 120, f"the sampler is still decoding a minute later ({readings[-1]} tokens)"
+        time.sleep(0.5)
+        readings.append(decoded_tokens(server))
+    return readings[-1]

@@ -13,7 +13,7 @@ import pytest
 from tinker import types
 from transformers import AutoTokenizer
 
-from tests.helpers import BASE_MODEL, make_datum, on_both_sampler_backends, train
+from tests.helpers import BASE_MODEL, make_datum, on_both_sampler_backends, settled_decoded_tokens, train
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TARGET = "The capital of France is Paris."
@@ -102,21 +102,6 @@ def test_a_stream_of_several_choices_gives_each_its_text_finish_reason_and_usage
     assert chunks[-1].usage == whole.usage
 
 
-def _decoded_tokens(server) -> int:
-    metrics = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()
-    return sum(replica["decoded_tokens"] for replica in metrics["sampling"][BASE_MODEL]["replicas"])
-
-
-def _settled_decoded_tokens(server) -> int:
-    """The sampler's decoded-token count once it stops changing (unchanged over three readings, half a second apart)."""
-    readings = [_decoded_tokens(server)]
-    while len(readings) < 3 or len(set(readings[-3:])) > 1:
-        assert len(readings) < 120, f"the sampler is still decoding a minute later ({readings[-1]} tokens)"
-        time.sleep(0.5)
-        readings.append(_decoded_tokens(server))
-    return readings[-1]
-
-
 LONG = 2000
 """Tokens of a long greedy completion: nearly the tiny model's whole context."""
 
@@ -137,12 +122,12 @@ def test_a_stream_closed_by_its_client_stops_sampling(server, oai, long_request)
     """vLLM's server aborts a request whose client disconnects; so does this one, instead of decoding on to
     ``max_tokens`` for nobody."""
     request, _ = long_request
-    before = _settled_decoded_tokens(server)
+    before = settled_decoded_tokens(server)
     stream = oai.completions.create(stream=True, **request)
     first = next(iter(stream))
     assert first.choices[0].text is not None
     stream.close()
-    decoded = _settled_decoded_tokens(server) - before
+    decoded = settled_decoded_tokens(server) - before
     assert 1 <= decoded < LONG / 2, f"{decoded} of {LONG} tokens were decoded for a stream read once and closed"
     again = oai.completions.create(**{**request, "max_tokens": 5})
     assert again.choices[0].finish_reason == "length"  # the sampler still serves
@@ -153,10 +138,10 @@ def test_a_whole_request_whose_client_gives_up_stops_sampling(server, long_reque
     request, whole_seconds = long_request
     impatient = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main",
                               timeout=whole_seconds / 5, max_retries=0)
-    before = _settled_decoded_tokens(server)
+    before = settled_decoded_tokens(server)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(**request)
-    decoded = _settled_decoded_tokens(server) - before
+    decoded = settled_decoded_tokens(server) - before
     assert 1 <= decoded < LONG * 0.75, f"{decoded} of {LONG} tokens were decoded for a request abandoned early"
     assert "went away before its answer" in server.log()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,7 +21,8 @@ LIVE = "(expires_at is null or expires_at > ?)"
 
 
 _ADDED_COLUMNS = (("checkpoints", "uid", str), ("samplers", "checkpoint_uid", str), ("models", "rolled_back", str),
-                  ("models", "rollback_unseen", int), ("api_keys", "admin", int))
+                  ("models", "rollback_unseen", int), ("api_keys", "admin", int), ("futures", "poll_group", str),
+                  ("futures", "completion_seq", int), ("samplers", "clients", int))
 """Columns added since schema 1, added to an older file at open."""
 
 
@@ -62,6 +64,8 @@ class RecordsBase:
         self.db = sqlite_utils.Database(path)
         self.db.enable_wal()
         self.db.execute("PRAGMA synchronous=NORMAL")
+        self._completions: Iterator[int] | None = None
+        """Numbers finished futures in order (``RunRecords._next_completion``); seeded from the file on first use."""
         self._create_schema()
 
     def _create_schema(self) -> None:
@@ -79,7 +83,7 @@ class RecordsBase:
         db["futures"].create({
             "request_id": str, "owner": str, "model_id": str, "seq_id": int, "kind": str, "state": str,
             "created": str, "finished": str, "media_type": str, "result": bytes, "error": str, "category": str,
-            "idempotency_key": str,
+            "idempotency_key": str, "poll_group": str, "completion_seq": int,
         }, pk="request_id", if_not_exists=True)
         db["checkpoints"].create({
             "tinker_path": str, "training_run_id": str, "checkpoint_id": str, "kind": str, "owner": str,
@@ -89,6 +93,7 @@ class RecordsBase:
         db["samplers"].create({
             "id": str, "session_id": str, "owner": str, "base_model": str, "kind": str, "model_path": str,
             "model_id": str, "adapter_key": str, "adapter_dir": str, "created": str, "checkpoint_uid": str,
+            "clients": int,
         }, pk="id", if_not_exists=True)
         db["stability_records"].create({
             "sequence_id": str, "session_id": str, "owner": str, "prompt": str, "tokens": str, "logprobs": str,
@@ -125,6 +130,7 @@ class RecordsBase:
                 db.conn.execute("UPDATE checkpoints SET uid = lower(hex(randomblob(16))) WHERE uid IS NULL")
         if SCHEMA_VERSION not in versions:
             db["schema_version"].insert({"version": SCHEMA_VERSION, "applied": now()})
+        db["futures"].create_index(["poll_group", "completion_seq"], if_not_exists=True)
 
     # ---- helpers --------------------------------------------------------------------------------------------------
     def _owned(self, table: str, pk: str, owner: str) -> dict | None:

@@ -120,3 +120,12 @@ class CheckpointRecords(RecordsBase):
     def sampler(self, sampler_id: str, owner: str) -> dict | None:
         return self._owned("samplers", sampler_id, owner)
 
+    def join_sampler(self, sampler_id: str, owner: str) -> int | None:
+        """The next clone number of a sampling session (``join_sampling_session``; the original client is 0), or
+        None if ``owner`` has no such session. Counted in the file, so numbers are never reused, even across
+        restarts."""
+        with self.db.conn:
+            updated = self.db.execute("UPDATE samplers SET clients = coalesce(clients, 0) + 1 WHERE id = ? AND "
+                                      "owner = ? RETURNING clients", [sampler_id, owner]).fetchone()
+        return None if updated is None else updated[0]
+

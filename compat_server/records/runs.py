@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -99,22 +100,25 @@ class RunRecords(RecordsBase):
         """At start-up nothing runs yet and the trainers are empty: every pending future was abandoned by a previous
         process (it fails as a server error), and every active model must be reloaded from a checkpoint
         (create_training_client_from_state). Returns (futures failed, models unloaded)."""
-        futures = self.db["futures"].count_where("state = 'pending'")
+        pending = [row[0] for row in self.db.execute("SELECT request_id FROM futures WHERE state = 'pending'")]
         models = self.db["models"].count_where("status = 'active'")
         with self.db.conn:
-            self.db.execute("UPDATE futures SET state = 'failed', category = 'server', error = ?, finished = ? "
-                            "WHERE state = 'pending'",
-                            ["the server restarted before this request finished; resubmit it", now()])
+            for request_id in pending:  # numbered as they finish, so a retrieve_futures poller hears of them too
+                self.db.execute("UPDATE futures SET state = 'failed', category = 'server', error = ?, finished = ?, "
+                                "completion_seq = ? WHERE request_id = ?",
+                                ["the server restarted before this request finished; resubmit it", now(),
+                                 self._next_completion(), request_id])
             self.db.execute("UPDATE models SET status = 'unloaded (server restarted)' WHERE status = 'active'")
-        return futures, models
+        return len(pending), models
 
     # ---- futures --------------------------------------------------------------------------------------------------
     @traced("records.create_future")
     def create_future(self, request_id: str, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
-                      idempotency_key: str | None) -> None:
+                      idempotency_key: str | None, poll_group: str | None = None) -> None:
+        """``poll_group`` names the futures one ``retrieve_futures`` poll covers (a sampling session's clone)."""
         self.db["futures"].insert({
             "request_id": request_id, "owner": owner, "model_id": model_id, "seq_id": seq_id, "kind": kind,
-            "state": "pending", "created": now(), "idempotency_key": idempotency_key,
+            "state": "pending", "created": now(), "idempotency_key": idempotency_key, "poll_group": poll_group,
         })
 
     def future_by_idempotency_key(self, owner: str, key: str) -> dict | None:
@@ -124,14 +128,34 @@ class RunRecords(RecordsBase):
     @traced("records.finish_future")
     def finish_future(self, request_id: str, *, media_type: str, result: bytes) -> None:
         self.db["futures"].update(request_id, {"state": "complete", "finished": now(), "media_type": media_type,
-                                               "result": result})
+                                               "result": result, "completion_seq": self._next_completion()})
 
     @traced("records.fail_future")
     def fail_future(self, request_id: str, *, error: str, category: str) -> None:
         self.db["futures"].update(request_id, {"state": "failed", "finished": now(), "error": error,
-                                               "category": category})
+                                               "category": category, "completion_seq": self._next_completion()})
 
     @traced("records.future")
     def future(self, request_id: str, owner: str) -> dict | None:
         return self._owned("futures", request_id, owner)
+
+    def _next_completion(self) -> int:
+        """Finished futures are numbered in the order they finish: the cursor of ``retrieve_futures``. The
+        numbering goes on from the file's highest, so a cursor a client holds across a restart stays meaningful."""
+        if self._completions is None:
+            highest = self.db.execute("SELECT max(completion_seq) FROM futures").fetchone()[0] or 0
+            self._completions = itertools.count(highest + 1)
+        return next(self._completions)
+
+    def completions_after(self, owner: str, poll_group: str, cursor: int, limit: int) -> list[dict]:
+        """The group's futures finished after ``cursor``, oldest first (request id, state, payload size, seq)."""
+        return [dict(zip(("request_id", "state", "size", "completion_seq"), row)) for row in self.db.execute(
+            "SELECT request_id, state, length(result), completion_seq FROM futures WHERE poll_group = ? AND owner = ? "
+            "AND completion_seq > ? ORDER BY completion_seq LIMIT ?", [poll_group, owner, cursor, limit])]
+
+    def forget_results(self, owner: str, poll_group: str, request_ids: list[str]) -> None:
+        """Drop the payloads a client reports fully retrieved (``retrieved_request_ids``); their state stays."""
+        for request_id in request_ids:
+            self.db.execute("UPDATE futures SET result = NULL WHERE request_id = ? AND owner = ? AND poll_group = ? "
+                            "AND state = 'complete'", [request_id, owner, poll_group])
 

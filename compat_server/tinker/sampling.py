@@ -11,6 +11,7 @@ from tinker import types
 
 from compat_server.services import Services
 from compat_server.tinker.training import idempotency_key
+from shims.errors import NotFound
 
 API = "/api/v1"
 
@@ -27,6 +28,17 @@ async def create_sampling_session(owner: NamedDependency[str], services: NamedDe
 async def get_sampler(sampler_id: FromPath[str], owner: NamedDependency[str],
                       services: NamedDependency[Services]) -> types.GetSamplerResponse:
     return services.sampling.get_sampler(owner, sampler_id)
+
+
+@post(f"{API}/join_sampling_session", status_code=200)
+async def join_sampling_session(owner: NamedDependency[str], services: NamedDependency[Services],
+                                data: Annotated[types.JoinSamplingSessionRequest, Body()]
+                                ) -> types.JoinSamplingSessionResponse:
+    """An unpickled sampling client asks for its clone number, so clones never share a block of ``seq_id``s."""
+    counter = services.records.join_sampler(data.sampling_session_id, owner)
+    if counter is None:
+        raise NotFound(f"unknown sampling session {data.sampling_session_id!r}")
+    return types.JoinSamplingSessionResponse(client_counter=counter)
 
 
 @post(f"{API}/asample", status_code=200)
@@ -53,4 +65,4 @@ async def metrics(owner: NamedDependency[str], services: NamedDependency[Service
     return answer
 
 
-SAMPLING_ROUTES = [create_sampling_session, get_sampler, asample, metrics]
+SAMPLING_ROUTES = [create_sampling_session, get_sampler, join_sampling_session, asample, metrics]

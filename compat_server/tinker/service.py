@@ -21,13 +21,16 @@ API = "/api/v1"
 
 @post(f"{API}/client/config", status_code=200)
 async def client_config(owner: NamedDependency[str]) -> types.ClientConfigResponse:
-    """Feature flags for the SDK: plain API-key auth, uncompressed protobuf bodies, per-request futures."""
-    return types.ClientConfigResponse(pjwt_auth_enabled=False, proto_compress_fwdbwd=False)
+    """Feature flags for the SDK: plain API-key auth, uncompressed protobuf bodies; a sampling client polls all its
+    futures at once (``retrieve_futures``) and its unpickled clones ask for their number (``join_sampling_session``)."""
+    return types.ClientConfigResponse(pjwt_auth_enabled=False, proto_compress_fwdbwd=False,
+                                      sample_use_retrieve_futures=True, sample_join_sampling_session=True)
 
 
 @post(f"{API}/client/dynamic_config", status_code=200)
 async def client_dynamic_config(owner: NamedDependency[str]) -> types.ClientDynamicConfigResponse:
-    return types.ClientDynamicConfigResponse()
+    """An abandoned sample is cancelled on the server at once (``cancel_future``)."""
+    return types.ClientDynamicConfigResponse(sample_cancel_enabled=True)
 
 
 @post(f"{API}/create_session", status_code=200)
