@@ -45,4 +45,5 @@ async def provide_owner(request: ASGIConnection) -> str:
     if services.config.auth_mode == "keys" and not services.records.key_active(owner):
         raise NotAuthorizedException("unknown or revoked API key: this server accepts only keys created with "
                                      "`compat-server keys create`")
+    services.records.note_key_use(owner)
     return owner

@@ -99,16 +99,21 @@ class RunsService:
         path = row["tinker_path"]
         self.records.delete_checkpoint(path, row["uid"])
         self.checkpoints.delete(path, row["uid"])
+        self.records.audit(owner, "checkpoint_delete", model_id=training_run_id, tinker_path=path)
         log.info("checkpoint deleted: %s", path)
 
     def set_public(self, owner: str, training_run_id: str, checkpoint_id: str, public: bool) -> None:
         path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)["tinker_path"]
         self.records.set_checkpoint_public(path, public)
+        self.records.audit(owner, "checkpoint_publish" if public else "checkpoint_unpublish", model_id=training_run_id,
+                           tinker_path=path)
         log.info("checkpoint %s: %s", "published" if public else "unpublished", path)
 
     def set_ttl(self, owner: str, training_run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)["tinker_path"]
         self.records.set_checkpoint_expiry(path, self.checkpoints.expiry(ttl_seconds))
+        self.records.audit(owner, "checkpoint_ttl_set", model_id=training_run_id, tinker_path=path,
+                           ttl_seconds=ttl_seconds)
         log.info("checkpoint %s expires %s", path, f"in {ttl_seconds} s" if ttl_seconds is not None else "never")
 
     def weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
@@ -123,6 +128,8 @@ class RunsService:
         """One signed URL per file of the checkpoint, for plain-HTTP download until they expire. A URL names this
         save (its uid) and the key it was given to, so it stops working when that key may no longer read it."""
         row, directory = self.checkpoints.readable(self.records, owner, tinker_path)
+        self.records.audit(owner, "checkpoint_read", model_id=row["training_run_id"], tinker_path=tinker_path,
+                           purpose="download (external_weights_urls)", owned=row["owner"] == owner)
         grant = DownloadGrant(tinker_path=tinker_path, uid=row["uid"], grantee=self.signer.grantee(owner))
         urls, expires = {}, 0
         parsed = parse_path(tinker_path)
@@ -186,6 +193,7 @@ class RunsService:
         self.records.add_checkpoint(path, uid=uid, training_run_id=run_id, checkpoint_id=source.checkpoint_id,
                                     kind=source.checkpoint_type, owner=owner, base_model=row["base_model"],
                                     size_bytes=size, expires_at=expires, user_metadata=None)
+        self.records.audit(owner, "checkpoint_copy", model_id=run_id, tinker_path=path, source_path=req.source_path)
         log.info("checkpoint copied: %s → %s", req.source_path, path)
         return types.CopyWeightsResponse(tinker_path=path)
 

@@ -18,6 +18,7 @@ from adapters.sampler_pool import SamplerPlacement, SamplerPool
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
 from adapters.vllm_sampler import VLLMOptions
 from compat_server import watchdog
+from compat_server.account import AccountService
 from compat_server.checkpoints import CheckpointStore
 from compat_server.completions import CompletionsService
 from compat_server.config import ServerConfig
@@ -49,6 +50,7 @@ class Services:
     sampling: SamplingService
     completions: CompletionsService
     runs: RunsService
+    account: AccountService
     base_models: dict[str, BaseModelSpec]
     background: list[asyncio.Task] = field(default_factory=list)
 
@@ -157,11 +159,12 @@ async def start_services(config: ServerConfig) -> Services:
     training = TrainingService(records, scheduler, checkpoints, base_models, sampling, config.max_adapters_per_key,
                                config.max_lora_rank)
     trainers.on_restart = training.reload_after_restart
-    runs = RunsService(records, checkpoints, UrlSigner(config.url_key_path, config.download_url_ttl))
+    signer = UrlSigner(config.url_key_path, config.download_url_ttl)
+    runs = RunsService(records, checkpoints, signer)
     services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models, quota),
-                    runs=runs, base_models=base_models)
+                    runs=runs, account=AccountService(records, signer), base_models=base_models)
     loop = asyncio.get_running_loop()
     services.background = [loop.create_task(_sweep_expired(services)), loop.create_task(trainers.watch(2.0))]
     return services

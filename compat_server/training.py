@@ -63,7 +63,7 @@ class TrainingService(CheckpointCalls):
                             "lora_rank": spec.rank})
             return json_payload(types.CreateModelResponse(model_id=model_id))
 
-        return self._future(self.scheduler.submit(owner=owner, kind="create_model", job=job,
+        return self._future(self.scheduler.submit(owner=owner, kind="create_model", job=job, model_id=model_id,
                                                   idempotency_key=idem), model_id)
 
     def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:

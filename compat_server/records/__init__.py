@@ -6,13 +6,14 @@ Every record carries ``owner``: a hash of the API key that created it (never the
 
 from __future__ import annotations
 
+from compat_server.records.account import AccountRecords
 from compat_server.records.base import SCHEMA_VERSION, CorruptRecords, check_integrity, now
 from compat_server.records.checkpoints import CheckpointRecords
 from compat_server.records.runs import RunRecords
 from compat_server.records.tenants import TenantRecords
 
 
-class Records(RunRecords, CheckpointRecords, TenantRecords):
+class Records(RunRecords, CheckpointRecords, TenantRecords, AccountRecords):
     """Typed accessors over the tables; callers never write SQL."""
 
 

@@ -22,7 +22,8 @@ LIVE = "(expires_at is null or expires_at > ?)"
 
 _ADDED_COLUMNS = (("checkpoints", "uid", str), ("samplers", "checkpoint_uid", str), ("models", "rolled_back", str),
                   ("models", "rollback_unseen", int), ("api_keys", "admin", int), ("futures", "poll_group", str),
-                  ("futures", "completion_seq", int), ("samplers", "clients", int))
+                  ("futures", "completion_seq", int), ("samplers", "clients", int),
+                  ("sessions", "display_name", str))
 """Columns added since schema 1, added to an older file at open."""
 
 
@@ -65,6 +66,8 @@ class RecordsBase:
         self.db.enable_wal()
         self.db.execute("PRAGMA synchronous=NORMAL")
         self._completions: Iterator[int] | None = None
+        self._key_days: set[tuple[str, str]] = set()
+        """(owner, UTC day) whose key use is already in the audit log."""
         """Numbers finished futures in order (``RunRecords._next_completion``); seeded from the file on first use."""
         self._create_schema()
 
@@ -73,7 +76,7 @@ class RecordsBase:
         db["schema_version"].create({"version": int, "applied": str}, pk="version", if_not_exists=True)
         db["sessions"].create({
             "id": str, "owner": str, "created": str, "last_heartbeat": str, "tags": str, "user_metadata": str,
-            "sdk_version": str, "project_id": str, "finished": str, "finish_reason": str,
+            "sdk_version": str, "project_id": str, "finished": str, "finish_reason": str, "display_name": str,
         }, pk="id", if_not_exists=True)
         db["models"].create({
             "id": str, "session_id": str, "owner": str, "base_model": str, "is_lora": int, "lora_rank": int,
@@ -101,6 +104,9 @@ class RecordsBase:
         }, pk="sequence_id", if_not_exists=True)
         db["api_keys"].create({"id": str, "name": str, "owner": str, "created": str, "revoked": str, "admin": int},
                                pk="id", if_not_exists=True)
+        db["audit"].create({"id": int, "owner": str, "at": str, "event": str, "details": str}, pk="id",
+                           if_not_exists=True)
+        db["audit"].create_index(["owner", "at"], if_not_exists=True)
         db["telemetry"].create({"id": int, "owner": str, "session_id": str, "events": int, "received": str},
                                pk="id", if_not_exists=True)
         db["steps"].create({

@@ -27,6 +27,8 @@ class CheckpointRecords(RecordsBase):
             "kind": kind, "owner": owner, "base_model": base_model, "size_bytes": size_bytes, "created": now(),
             "expires_at": expires_at, "public": 0, "user_metadata": json.dumps(user_metadata or {}), "uid": uid,
         }, replace=True)
+        self.audit(owner, "checkpoint_create", model_id=training_run_id, tinker_path=tinker_path, kind=kind,
+                   base_model=base_model, size_bytes=size_bytes, replaced=replaced is not None)
         return replaced
 
     def all_checkpoints(self) -> list[dict]:

@@ -13,12 +13,14 @@ from compat_server.telemetry import RESIDENT_ADAPTERS, traced
 class RunRecords(RecordsBase):
     # ---- sessions -------------------------------------------------------------------------------------------------
     def create_session(self, session_id: str, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
-                       sdk_version: str | None, project_id: str | None) -> None:
+                       sdk_version: str | None, project_id: str | None, display_name: str | None = None) -> None:
         stamp = now()
         self.db["sessions"].insert({
             "id": session_id, "owner": owner, "created": stamp, "last_heartbeat": stamp, "tags": json.dumps(tags),
             "user_metadata": json.dumps(user_metadata), "sdk_version": sdk_version, "project_id": project_id,
+            "display_name": display_name,
         })
+        self.audit(owner, "session_create", session_id=session_id, project_id=project_id)
 
     def session(self, session_id: str, owner: str) -> dict | None:
         return self._owned("sessions", session_id, owner)
@@ -55,6 +57,7 @@ class RunRecords(RecordsBase):
             "lora_rank": lora["rank"], "lora_config": json.dumps(lora), "status": "active", "created": stamp,
             "last_request": stamp, "user_metadata": json.dumps(user_metadata or {}),
         }, replace=True)
+        self.audit(owner, "training_run_create", model_id=model_id, session_id=session_id, base_model=base_model)
         RESIDENT_ADAPTERS.add(1)
 
     def model(self, model_id: str, owner: str) -> dict | None:

@@ -29,6 +29,11 @@ class TenantRecords(RecordsBase):
             return self.db.conn.execute("UPDATE api_keys SET revoked = ? WHERE (name = ? OR id = ?) AND revoked IS NULL",
                                         [now(), name_or_id, name_or_id]).rowcount > 0
 
+    def key_of(self, owner: str) -> dict | None:
+        """The active registered key of this tenant, if any (``--auth keys``)."""
+        rows = list(self.db["api_keys"].rows_where("owner = ? AND revoked IS NULL", [owner], limit=1))
+        return rows[0] if rows else None
+
     def key_active(self, owner: str) -> bool:
         return self.db["api_keys"].count_where("owner = ? AND revoked IS NULL", [owner]) > 0
 

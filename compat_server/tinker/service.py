@@ -38,7 +38,8 @@ async def create_session(owner: NamedDependency[str], services: NamedDependency[
                          data: Annotated[types.CreateSessionRequest, Body()]) -> types.CreateSessionResponse:
     session_id = str(uuid.uuid4())
     services.records.create_session(session_id, owner, tags=data.tags, user_metadata=data.user_metadata or {},
-                                    sdk_version=data.sdk_version, project_id=data.project_id)
+                                    sdk_version=data.sdk_version, project_id=data.project_id,
+                                    display_name=data.display_name)
     log.info("session created: %s (sdk %s)", session_id, data.sdk_version)
     return types.CreateSessionResponse(session_id=session_id)
 

@@ -1,0 +1,76 @@
+"""Account routes of the SDK's ``RestClient`` / ``AdminClient`` and the ``tinker auth`` CLI: audit log, storage and
+usage, session search and projects, session trace export, and the calling key itself. HTTP only."""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+from typing import Annotated, Any
+
+from litestar import Request, delete, get, post, put
+from litestar.di import NamedDependency
+from litestar.params import Body, FromPath, FromQuery
+from tinker import types
+
+from compat_server.services import Services
+
+API = "/api/v1"
+
+
+@get(f"{API}/audit")
+async def audit_log(owner: NamedDependency[str], services: NamedDependency[Services], event_type: str = "all",
+                    day: date | None = None) -> types.AuditLogResponse:
+    """The calling key's own mutating actions on one UTC day (today by default)."""
+    return services.account.audit_log(owner, event_type, day)
+
+
+@get(f"{API}/billing/usage/checkpoints/current")
+async def checkpoint_storage(owner: NamedDependency[str], services: NamedDependency[Services],
+                             project_id: str | None = None) -> types.CurrentCheckpointStorageUsageResponse:
+    return services.account.storage_usage(owner, project_id)
+
+
+@get(f"{API}/billing/usage/events")
+async def usage_events(owner: NamedDependency[str], services: NamedDependency[Services], starting_on: datetime,
+                       ending_before: datetime) -> types.BillingUsageResponse:
+    request = types.GetBillingUsageRequest(starting_on=starting_on, ending_before=ending_before)
+    return services.account.usage_events(owner, request)
+
+
+@post(f"{API}/sessions/search", status_code=200)
+async def search_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
+                          data: Annotated[types.SessionSearchRequest, Body()]) -> types.SessionSearchResponse:
+    return services.account.search_sessions(owner, data)
+
+
+@put(f"{API}/sessions/{{session_id:str}}/project", status_code=200)
+async def assign_session_project(session_id: FromPath[str], owner: NamedDependency[str],
+                                 services: NamedDependency[Services], data: Annotated[dict[str, Any], Body()]) -> None:
+    services.account.assign_project(owner, session_id, data.get("project_id"))
+
+
+@get(f"{API}/sessions/{{session_id:str}}/trace_export")
+async def trace_export(request: Request, session_id: FromPath[str], owner: NamedDependency[str],
+                       services: NamedDependency[Services]) -> dict:
+    """Built on request from the records, so it is ready at once: the SDK's first poll gets the URL."""
+    return {"status": "ready", "url": services.account.trace_url(owner, session_id, str(request.base_url))}
+
+
+@get(f"{API}/sessions/{{session_id:str}}/trace.json")
+async def trace_download(session_id: FromPath[str], expires: FromQuery[int], grantee: FromQuery[str],
+                         signature: FromQuery[str], services: NamedDependency[Services]) -> dict:
+    """Needs no API key: the URL's signature is the permission, re-checked against the session as it is now."""
+    return services.account.trace(session_id, grantee, expires, signature)
+
+
+@get(f"{API}/auth/apikey/me")
+async def own_key(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
+    return services.account.key_info(owner, services.config.auth_mode)
+
+
+@delete(f"{API}/auth/apikey/me", status_code=200)
+async def revoke_own_key(owner: NamedDependency[str], services: NamedDependency[Services]) -> None:
+    services.account.revoke_own_key(owner)
+
+
+ACCOUNT_ROUTES = [audit_log, checkpoint_storage, usage_events, search_sessions, assign_session_project, trace_export,
+                  trace_download, own_key, revoke_own_key]
