@@ -129,6 +129,23 @@ def test_resume_from_state_is_exact(service_client, server, tiny_model_dir, datu
         np.testing.assert_allclose(restarted, reference_logprobs(model, datum).numpy(), atol=1e-5, rtol=0)
 
 
+def test_save_state_overwrite_replaces_the_checkpoint_of_that_name(service_client, server, datum):
+    """A second save under one name is refused, unless ``overwrite=True``: then the name holds the newer weights
+    (listed once, and loading it gives them)."""
+    run = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    train(run, datum, 1)
+    first = run.save_state("latest").result().path
+    expect_user_error(run.save_state("latest"), "already exists")
+    train(run, datum, 2)
+    newer = forward_logprobs(run, datum)
+    assert run.save_state("latest", overwrite=True).result().path == first
+    listed = tinker.RestClient(base_url=server.base_url, api_key="tml-test-main").list_checkpoints(
+        run.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed].count(first) == 1
+    loaded = service_client.create_training_client_from_state(first).result()
+    np.testing.assert_allclose(forward_logprobs(loaded, datum), newer, atol=1e-6, rtol=0)
+
+
 def test_pipelined_submission_equals_waiting(service_client, datum):
     pipelined = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=21).result()
     waited = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=21).result()
