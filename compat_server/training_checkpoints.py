@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
+from pathlib import Path
 
 from tinker import types
 
 from adapters.disk import DiskFull
 from adapters.trainer import LoraSpec, read_lora_spec, read_saved_step
 from compat_server.checkpoints import parse_path, tinker_path
+from compat_server.encryption import encrypt_directory, parse_recipients
 from compat_server.futures import Payload
 from compat_server.training_core import TrainingCore, json_payload, model_id_for
 from shims.errors import NotFound, UserError
@@ -69,8 +73,10 @@ class CheckpointCalls(TrainingCore):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     async def _save(self, owner: str, row: dict, kind: str, name: str, method: str, overwrite: bool,
-                    ttl_seconds: int | None, user_metadata: dict | None) -> str:
-        """Have the trainer write a checkpoint into staging, then publish and record it."""
+                    ttl_seconds: int | None, user_metadata: dict | None,
+                    finish: Callable[[Path], None] | None = None) -> str:
+        """Have the trainer write a checkpoint into staging, ``finish`` it there (if given), then publish and record
+        it."""
         model_id = row["id"]
         path = tinker_path(model_id, kind, name)
         if self.records.live_checkpoint(path) is not None and not overwrite:
@@ -80,6 +86,8 @@ class CheckpointCalls(TrainingCore):
         try:
             with disk_full_names(path):
                 await self.scheduler.trainer(row["base_model"], method, model_id, str(staging))
+                if finish is not None:
+                    await asyncio.to_thread(finish, staging)
                 size = self.checkpoints.publish(staging, path, uid)
         finally:
             self.checkpoints.discard(staging)
@@ -114,13 +122,14 @@ class CheckpointCalls(TrainingCore):
 
     def save_weights_external(self, owner: str, req: types.SaveWeightsExternalRequest, idem: str | None) -> dict:
         """The adapter as a standard PEFT directory under ``external_weights/``, for download with
-        ``get_external_weights_urls``."""
+        ``get_external_weights_urls`` — given ``age_encryption_recipients``, every file encrypted to them as
+        ``<name>.age`` before it is published."""
         async def job(row: dict) -> Payload:
-            if req.age_encryption_recipients:
-                raise UserError("age_encryption_recipients is not supported by this server: the files are served "
-                                "only to holders of a signed URL; encrypt them after download if needed")
+            encrypt = None
+            if req.age_encryption_recipients is not None:
+                encrypt = partial(encrypt_directory, recipients=parse_recipients(req.age_encryption_recipients))
             path = await self._save(owner, row, "external", req.path, "save_for_sampler", False, req.ttl_seconds,
-                                    None)
+                                    None, encrypt)
             return json_payload(types.SaveWeightsExternalResponseInternal(path=path, type="save_weights_external"))
 
         return self._ordered(owner, "save_weights_external", req.model_id, req.seq_id, idem, job)
