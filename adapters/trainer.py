@@ -21,6 +21,8 @@ import torch
 
 from adapters.actors import ray_node
 from adapters.disk import writing
+from shims.custom_loss_graph import CustomLoss
+from shims.custom_loss_run import CustomLossBatch, check_custom_datum
 from shims.errors import UserError
 from shims.losses import check_datum, datum_loss, resolve_config
 from shims.training_wire import DatumArrays
@@ -107,6 +109,8 @@ class StepRequest:
     loss_fn: str
     loss_fn_config: dict[str, float | str]
     forward_only: bool
+    custom_loss: CustomLoss | None = None
+    """For ``loss_fn="custom"``: the stored loss the request's ``loss_id`` names (``shims.custom_loss_graph``)."""
 
 
 @dataclass
@@ -225,10 +229,15 @@ class MultiLoRATrainer:
         for index, request in enumerate(requests):
             try:
                 adapter = self._get(request.model_id)
-                config = resolve_config(request.loss_fn, request.loss_fn_config)
+                custom = request.custom_loss
+                config = resolve_config(request.loss_fn, request.loss_fn_config) if custom is None else {}
                 for i, d in enumerate(request.data):
-                    check_datum(request.loss_fn, i, d.tokens, d.loss_fn_inputs, vocab_size=self.facts.vocab_size,
-                                max_context=self.facts.max_context)
+                    if custom is not None:
+                        check_custom_datum(custom, i, d.tokens, d.loss_fn_inputs, vocab_size=self.facts.vocab_size,
+                                           max_context=self.facts.max_context)
+                    else:
+                        check_datum(request.loss_fn, i, d.tokens, d.loss_fn_inputs,
+                                    vocab_size=self.facts.vocab_size, max_context=self.facts.max_context)
             except UserError as exc:
                 outcomes[index] = exc
                 continue
@@ -257,25 +266,36 @@ class MultiLoRATrainer:
             for index, request, adapter, config in ready:
                 total = torch.zeros((), device=self.device)
                 outputs = []
-                for d in request.data:
-                    n = d.tokens.size
-                    with routed(adapter_names=[adapter.name]):
-                        logits = lm_head(hidden[row:row + 1, :n])[0]
-                    row += 1
-                    logprobs = torch.log_softmax(logits.float(), dim=-1)
-                    targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
-                    target_logprobs = logprobs.gather(1, targets.reshape(n, -1)).reshape(targets.shape)
-                    inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
-                    total = total + datum_loss(request.loss_fn, target_logprobs, inputs, config)
-                    outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
+                custom = CustomLossBatch(request.custom_loss) if request.custom_loss is not None else None
+                first, row = row, row + len(request.data)
+                try:
+                    for offset, d in enumerate(request.data):
+                        n = d.tokens.size
+                        with routed(adapter_names=[adapter.name]):
+                            logits = lm_head(hidden[first + offset:first + offset + 1, :n])[0]
+                        logprobs = torch.log_softmax(logits.float(), dim=-1)
+                        targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
+                        target_logprobs = logprobs.gather(1, targets.reshape(n, -1)).reshape(targets.shape)
+                        inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
+                        total = total + (custom.datum(target_logprobs, inputs) if custom is not None else
+                                         datum_loss(request.loss_fn, target_logprobs, inputs, config))
+                        outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
+                except UserError as exc:  # a custom loss's own failure: this request's error, not the batch's
+                    outcomes[index] = exc
+                    continue
                 loss = float(total.detach())
                 if not math.isfinite(loss):  # before backward: a bad request must not touch accumulated gradients
                     outcomes[index] = UserError(f"the loss is not finite ({loss}); check the loss inputs")
                     continue
+                if not request.forward_only and custom is not None and not total.requires_grad:
+                    outcomes[index] = UserError(f"custom loss {custom.loss.name!r} does not depend on logprobs, so "
+                                                "it has no gradient")
+                    continue
                 if not request.forward_only:
                     trained.append(total)
                     learning.add(request.model_id)
-                outcomes[index] = StepResult(outputs=outputs, metrics={"loss:sum": loss},
+                metrics = {**(custom.metrics() if custom is not None else {}), "loss:sum": loss}
+                outcomes[index] = StepResult(outputs=outputs, metrics=metrics,
                                              num_tokens=int(sum(d.tokens.size for d in request.data)), seconds=0.0)
             if trained:
                 # Rows share tensors inside PEFT's routing, so autograd also reaches the adapters that are only being

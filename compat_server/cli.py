@@ -118,6 +118,24 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="largest num_samples one sample request may ask for (default: %(default)s)")
     parser.add_argument("--max-logprobs-k", type=int, default=d.max_logprobs_k,
                         help="largest top-k of prompt / sample logprobs and prompt_alt_tokens_k (default: %(default)s)")
+    parser.add_argument("--client-side-custom-losses", action="store_true",
+                        help="run custom losses (ServiceClient.create_custom_loss) in the client, as the SDK does "
+                             "without server support: a forward, the loss on the client, then a backward. By "
+                             "default they are uploaded and run in the trainer in one forward_backward")
+    parser.add_argument("--custom-loss-max-nodes", type=int, default=d.custom_loss_max_nodes,
+                        help="most nodes in an uploaded custom loss graph (default: %(default)s)")
+    parser.add_argument("--custom-loss-max-nesting", type=int, default=d.custom_loss_max_nesting,
+                        help="deepest nesting of lists, tuples and slices in a custom loss graph's arguments "
+                             "(default: %(default)s)")
+    parser.add_argument("--custom-loss-max-constants", type=int, default=d.custom_loss_max_constants,
+                        help="most constants (numbers, strings) in a custom loss graph, and the longest tuple or "
+                             "list it may make (default: %(default)s)")
+    parser.add_argument("--custom-loss-max-elements", type=int, default=d.custom_loss_max_elements,
+                        help="most tensor elements a custom loss may compute for one datum, all its steps together "
+                             "(default: %(default)s, 256 MiB of float32)")
+    parser.add_argument("--max-custom-losses-per-key", type=int, default=d.max_custom_losses_per_key,
+                        help="most custom losses one API key may hold; a session's go when it ends "
+                             "(default: %(default)s)")
     parser.add_argument("--drift-probe-every", type=int, default=d.drift_probe_every,
                         help="re-score one sampled sequence with the trainer every N sample requests per base model "
                              "and report the logprob gap in /api/v1/metrics; 0 turns it off (default: %(default)s)")
@@ -281,6 +299,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         vllm_max_loras=args.vllm_max_loras, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         vllm_kv_cache_gb=args.vllm_kv_cache_gb,
         max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k,
+        custom_loss_server_side=not args.client_side_custom_losses, custom_loss_max_nodes=args.custom_loss_max_nodes,
+        custom_loss_max_nesting=args.custom_loss_max_nesting, custom_loss_max_constants=args.custom_loss_max_constants,
+        custom_loss_max_elements=args.custom_loss_max_elements,
+        max_custom_losses_per_key=args.max_custom_losses_per_key,
         drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
         stability_ttl=args.stability_ttl, min_checkpoint_ttl=args.min_checkpoint_ttl,
         expiry_sweep_seconds=args.expiry_sweep_seconds, session_timeout=args.session_timeout,

@@ -9,6 +9,7 @@ from pathlib import Path
 from adapters.base_models import SAMPLER_DTYPES
 from adapters.tiny_model import TINY_MODEL_NAME
 from adapters.vllm_sampler import VLLM_LORA_RANKS
+from shims.custom_loss_graph import CustomLossLimits
 
 
 def default_data_dir() -> Path:
@@ -56,6 +57,14 @@ class ServerConfig:
     vllm_kv_cache_gb: float | None = None
     max_num_samples: int = 128
     max_logprobs_k: int = 64
+    custom_loss_server_side: bool = True
+    """Custom losses made with ``create_custom_loss`` run in the trainer, in one forward_backward (client/config's
+    ``custom_loss_server_side``); off, the SDK runs them client-side (a forward, then a backward)."""
+    custom_loss_max_nodes: int = CustomLossLimits.max_nodes
+    custom_loss_max_nesting: int = CustomLossLimits.max_nesting
+    custom_loss_max_constants: int = CustomLossLimits.max_constants
+    custom_loss_max_elements: int = CustomLossLimits.max_elements
+    max_custom_losses_per_key: int = 256
     drift_probe_every: int = 50
     ephemeral_keep: int = 8
     stability_ttl: float = 86400.0
@@ -92,6 +101,10 @@ class ServerConfig:
             (self.max_resident_adapters >= 1, "--max-resident-adapters must be at least 1"),
             (self.max_num_samples >= 1, "--max-num-samples must be at least 1"),
             (self.max_logprobs_k >= 0, "--max-logprobs-k must be 0 or more"),
+            (min(self.custom_loss_max_nodes, self.custom_loss_max_nesting, self.custom_loss_max_constants,
+                 self.custom_loss_max_elements, self.max_custom_losses_per_key) >= 1,
+             ("--custom-loss-max-nodes, -nesting, -constants, -elements and --max-custom-losses-per-key must be at "
+              "least 1")),
             (self.drift_probe_every >= 0, "--drift-probe-every must be 0 (off) or more"),
             (self.ephemeral_keep >= 1, "--ephemeral-keep must be at least 1"),
             (self.stability_ttl > 0, "--stability-ttl must be > 0"),
@@ -124,6 +137,12 @@ class ServerConfig:
     @property
     def records_path(self) -> Path:
         return self.data_dir / self.RECORDS_FILE
+
+    @property
+    def custom_loss_limits(self) -> CustomLossLimits:
+        return CustomLossLimits(max_nodes=self.custom_loss_max_nodes, max_nesting=self.custom_loss_max_nesting,
+                                max_constants=self.custom_loss_max_constants,
+                                max_elements=self.custom_loss_max_elements)
 
     @property
     def loopback(self) -> bool:

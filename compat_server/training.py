@@ -6,6 +6,7 @@ scheduler as a job, returning the future's JSON (``{"request_id", "model_id"}``)
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from dataclasses import asdict
@@ -17,6 +18,7 @@ from compat_server.futures import PROTOBUF, Payload
 from compat_server.telemetry import TOKENS_TRAINED
 from compat_server.training_checkpoints import CheckpointCalls
 from compat_server.training_core import json_payload, model_id_for
+from shims.custom_loss_graph import CustomLossLimits, compile_custom_loss
 from shims.errors import NotFound, UserError
 from shims.training_wire import ForwardBackwardBatch, encode_forward_backward_output
 
@@ -98,9 +100,12 @@ class TrainingService(CheckpointCalls):
         kind = "forward" if batch.forward_only else "forward_backward"
 
         async def job(row: dict) -> Payload:
+            custom = self.custom_losses.resolve(owner, row["session_id"], batch.loss_fn_config) \
+                if batch.loss_fn == "custom" else None
             data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
+            config = batch.loss_fn_config if custom is None else {}
             result = await self.scheduler.forward_backward(row["base_model"], StepRequest(
-                batch.model_id, data, batch.loss_fn, batch.loss_fn_config, batch.forward_only))
+                batch.model_id, data, batch.loss_fn, config, batch.forward_only, custom_loss=custom))
             speed = result.num_tokens / max(result.seconds, 1e-9)
             TOKENS_TRAINED.add(result.num_tokens, {"base_model": row["base_model"], "kind": kind})
             self.records.add_step(batch.model_id, seq_id=batch.seq_id, kind=kind, loss_fn=batch.loss_fn,
@@ -113,6 +118,24 @@ class TrainingService(CheckpointCalls):
             return Payload(PROTOBUF, encode_forward_backward_output(result.outputs, result.metrics))
 
         return self._ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
+
+    def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest, limits: CustomLossLimits,
+                           max_per_key: int, idem: str | None) -> dict:
+        """Check and store a traced loss at once (anything wrong is a 400 naming it); the future answers its id."""
+        session = self.records.session(req.session_id, owner)
+        if session is None:
+            raise NotFound(f"unknown session_id {req.session_id!r}")
+        if session["finished"]:
+            raise UserError(f"session {req.session_id} has ended; create the loss in a live session")
+        loss = compile_custom_loss(req.name, req.inputs, req.graph.nodes, limits)
+        digest = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+        loss_id = self.custom_losses.add(owner, req.session_id, req.custom_loss_seq_id, loss, digest, max_per_key)
+
+        async def job() -> Payload:
+            return json_payload(types.CreateCustomLossResponse(loss_id=loss_id))
+
+        return self._future(self.scheduler.submit(owner=owner, kind="create_custom_loss", job=job,
+                                                  idempotency_key=idem))
 
     def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:

@@ -13,6 +13,7 @@ from tinker import types
 from adapters.base_models import BaseModelSpec
 from adapters.trainer import MAX_LORA_RANK
 from compat_server.checkpoints import CheckpointStore
+from compat_server.custom_losses import CustomLossStore
 from compat_server.futures import JSON, Payload
 from compat_server.records import Records
 from compat_server.sampling import SamplingService
@@ -52,6 +53,7 @@ class TrainingCore:
         self.scheduler = scheduler
         self.checkpoints = checkpoints
         self.base_models = base_models
+        self.custom_losses = CustomLossStore()
 
     # ---- helpers --------------------------------------------------------------------------------------------------
     def _future(self, request_id: str, model_id: str | None = None) -> dict:
@@ -127,6 +129,7 @@ class TrainingCore:
                 self.records.set_model_status(row["id"], "unloaded (its session expired; load a checkpoint of it "
                                                          "into a new training client to continue)")
             self.records.finish_session(session["id"], "expired")
+            self.custom_losses.drop_session(session["id"])
             log.info("session expired: %s (no heartbeat since %s); models unloaded: %s", session["id"],
                      session["last_heartbeat"], ", ".join(row["id"] for row in models) or "none")
         return len(stale)

@@ -88,7 +88,8 @@ def decode_forward_backward(body: bytes, limits: DatumLimits) -> ForwardBackward
                 raise UserError(f"{tokens.size} input tokens exceed the model's maximum context length of "
                                 f"{limits.max_context}")
             shape_limits = TensorLimits(rows=tokens.size, max_columns=limits.max_columns)
-            inputs = {name: tensor_from_proto(t, name, shape_limits) for name, t in datum.loss_fn_inputs.items()}
+            inputs = {name: _loss_input(t, name, shape_limits, msg.loss_fn == "custom")
+                      for name, t in datum.loss_fn_inputs.items()}
             model_spans, target_spans = _provenance(datum, tokens, inputs)
         except UserError as exc:
             raise RejectedRequest(f"datum {i}: {exc}", msg.model_id, msg.seq_id, msg.forward_only) from None
@@ -98,6 +99,19 @@ def decode_forward_backward(body: bytes, limits: DatumLimits) -> ForwardBackward
         model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn or "cross_entropy", loss_fn_config=config,
         forward_only=msg.forward_only, data=data,
     )
+
+
+def _loss_input(tensor: pb.Tensor, name: str, limits: TensorLimits, custom: bool) -> np.ndarray:
+    """One ``loss_fn_inputs`` tensor. A custom loss may also take scalars (rank 0): a dense tensor with no stated
+    shape and one value, which the SDK sends for ``shape=[]`` (and for a one-value ``[T]`` with no shape, which
+    ``shims.custom_loss_run`` reads at the loss's declared rank)."""
+    if (custom and name != "target_tokens" and not tensor.shape and not tensor.HasField("sparse_csr")
+            and limits.rows != 1 and len(tensor.dense) <= 8):  # one value is at most 8 bytes
+        try:
+            return tensor_from_proto(tensor, name, TensorLimits(1, limits.max_columns)).reshape(())
+        except UserError:
+            pass  # not one value: the ordinary rules say what is wrong with it
+    return tensor_from_proto(tensor, name, limits)
 
 
 def _provenance(datum: pb.Datum, tokens: np.ndarray,

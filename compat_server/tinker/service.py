@@ -20,11 +20,15 @@ API = "/api/v1"
 
 
 @post(f"{API}/client/config", status_code=200)
-async def client_config(owner: NamedDependency[str]) -> types.ClientConfigResponse:
+async def client_config(owner: NamedDependency[str],
+                        services: NamedDependency[Services]) -> types.ClientConfigResponse:
     """Feature flags for the SDK: plain API-key auth, uncompressed protobuf bodies; a sampling client polls all its
-    futures at once (``retrieve_futures``) and its unpickled clones ask for their number (``join_sampling_session``)."""
+    futures at once (``retrieve_futures``) and its unpickled clones ask for their number (``join_sampling_session``);
+    custom losses are uploaded and run in the trainer (``custom_loss_server_side``) unless
+    ``--client-side-custom-losses``."""
     return types.ClientConfigResponse(pjwt_auth_enabled=False, proto_compress_fwdbwd=False,
-                                      sample_use_retrieve_futures=True, sample_join_sampling_session=True)
+                                      sample_use_retrieve_futures=True, sample_join_sampling_session=True,
+                                      custom_loss_server_side=services.config.custom_loss_server_side)
 
 
 @post(f"{API}/client/dynamic_config", status_code=200)
@@ -69,6 +73,7 @@ async def finish_session(session_id: FromPath[str], owner: NamedDependency[str],
     reason_type = reason.get("type") if isinstance(reason, dict) else None
     if not row["finished"]:
         services.records.finish_session(session_id, str(reason_type or "unknown"))
+        services.training.custom_losses.drop_session(session_id)
         log.info("session finished: %s (%s)", session_id, reason_type or "unknown")
     return {}
 

@@ -73,6 +73,19 @@ async def forward_backward(request: Request, owner: NamedDependency[str], servic
     return services.training.forward_backward(owner, batch, idempotency_key(request))
 
 
+@post(f"{API}/create_custom_loss", status_code=200)
+async def create_custom_loss(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
+                             data: Annotated[types.CreateCustomLossRequest, Body()]) -> dict:
+    """A traced loss (``ServiceClient.create_custom_loss``), checked and stored here: a graph this server will not
+    run is a 400 saying why. Refused as a whole when custom losses run client-side (the SDK then never sends one)."""
+    config = services.config
+    if not config.custom_loss_server_side:
+        raise UserError("this server runs custom losses client-side (--client-side-custom-losses): its client "
+                        "config says custom_loss_server_side=false, so the SDK does not upload them")
+    return services.training.create_custom_loss(owner, data, config.custom_loss_limits,
+                                                config.max_custom_losses_per_key, idempotency_key(request))
+
+
 @post(f"{API}/optim_step", status_code=200)
 async def optim_step(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
                      data: Annotated[types.OptimStepRequest, Body()]) -> dict:
@@ -109,5 +122,5 @@ async def save_weights_external(request: Request, owner: NamedDependency[str], s
     return services.training.save_weights_external(owner, data, idempotency_key(request))
 
 
-TRAINING_ROUTES = [create_model, get_info, forward_backward, optim_step, save_weights, save_weights_for_sampler,
-                   save_weights_external, load_weights, unload_model]
+TRAINING_ROUTES = [create_model, get_info, forward_backward, create_custom_loss, optim_step, save_weights,
+                   save_weights_for_sampler, save_weights_external, load_weights, unload_model]
