@@ -68,8 +68,10 @@ def generate() -> dict[str, object]:
     import tinker
 
     from contract.routes import TINKER_ROUTES
+    from contract.sdk_calls import sdk_routes
 
     return {
+        "tinker_sdk_calls.json": {"sdk_version": tinker.__version__, "calls": sdk_routes()},
         "tinker_routes.json": {"sdk_version": tinker.__version__, "routes": [asdict(r) for r in TINKER_ROUTES]},
         "tinker_schemas.json": {"sdk_version": tinker.__version__, "schemas": json_schemas()},
         "tinker_protobuf.json": {"sdk_version": tinker.__version__, "descriptor": protobuf_descriptor()},

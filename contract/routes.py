@@ -46,6 +46,10 @@ TINKER_ROUTES: list[Route] = [
     Route("GET", "/api/v1/samplers/{sampler_id}", None, "GetSamplerResponse"),
     Route("POST", "/api/v1/asample", "SampleRequest", FUTURE, "protobuf:SampleResponse"),
     Route("POST", "/api/v1/retrieve_future", "FutureRetrieveRequest", None),
+    Route("POST", "/api/v1/retrieve_futures", "FuturesRetrieveRequest", "FuturesRetrieveResponse"),
+    Route("POST", "/api/v1/cancel_future", None, None),
+    Route("POST", "/api/v1/join_sampling_session", "JoinSamplingSessionRequest", "JoinSamplingSessionResponse"),
+    Route("POST", "/api/v1/create_custom_loss", "CreateCustomLossRequest", FUTURE, "CreateCustomLossResponse"),
     Route("GET", "/api/v1/training_runs", None, "TrainingRunsResponse"),
     Route("GET", "/api/v1/training_runs/{run_id}", None, "TrainingRun"),
     Route("GET", "/api/v1/training_runs/{run_id}/checkpoints", None, "CheckpointsListResponse"),
@@ -60,6 +64,15 @@ TINKER_ROUTES: list[Route] = [
     Route("POST", "/api/v1/copy_weights", "CopyWeightsRequest", "CopyWeightsResponse"),
     Route("GET", "/api/v1/sessions", None, "ListSessionsResponse"),
     Route("GET", "/api/v1/sessions/{session_id}", None, "GetSessionResponse"),
+    Route("POST", "/api/v1/sessions/search", "SessionSearchRequest", "SessionSearchResponse"),
+    Route("PUT", "/api/v1/sessions/{session_id}/project", None, None),
+    Route("GET", "/api/v1/sessions/{session_id}/trace_export", None, None),
+    Route("GET", "/api/v1/audit", None, "AuditLogResponse"),
+    Route("GET", "/api/v1/billing/usage/checkpoints/current", "GetCurrentCheckpointStorageUsageRequest",
+          "CurrentCheckpointStorageUsageResponse"),
+    Route("GET", "/api/v1/billing/usage/events", "GetBillingUsageRequest", "BillingUsageResponse"),
+    Route("GET", "/api/v1/auth/apikey/me", None, None),
+    Route("DELETE", "/api/v1/auth/apikey/me", None, None),
 ]
 
 FUTURE_STATES = ["TryAgainResponse", "RequestFailedResponse"]

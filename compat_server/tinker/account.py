@@ -17,21 +17,21 @@ API = "/api/v1"
 
 
 @get(f"{API}/audit")
-async def audit_log(owner: NamedDependency[str], services: NamedDependency[Services], event_type: str = "all",
-                    day: date | None = None) -> types.AuditLogResponse:
+async def audit_log(owner: NamedDependency[str], services: NamedDependency[Services],
+                    event_type: FromQuery[str] = "all", day: FromQuery[date | None] = None) -> types.AuditLogResponse:
     """The calling key's own mutating actions on one UTC day (today by default)."""
     return services.account.audit_log(owner, event_type, day)
 
 
 @get(f"{API}/billing/usage/checkpoints/current")
 async def checkpoint_storage(owner: NamedDependency[str], services: NamedDependency[Services],
-                             project_id: str | None = None) -> types.CurrentCheckpointStorageUsageResponse:
+                             project_id: FromQuery[str | None] = None) -> types.CurrentCheckpointStorageUsageResponse:
     return services.account.storage_usage(owner, project_id)
 
 
 @get(f"{API}/billing/usage/events")
-async def usage_events(owner: NamedDependency[str], services: NamedDependency[Services], starting_on: datetime,
-                       ending_before: datetime) -> types.BillingUsageResponse:
+async def usage_events(owner: NamedDependency[str], services: NamedDependency[Services],
+                       starting_on: FromQuery[datetime], ending_before: FromQuery[datetime]) -> types.BillingUsageResponse:
     request = types.GetBillingUsageRequest(starting_on=starting_on, ending_before=ending_before)
     return services.account.usage_events(owner, request)
 
