@@ -430,6 +430,10 @@ def read_lora_spec(directory: Path) -> LoraSpec:
     state_file = directory / TRAINER_STATE
     if state_file.exists():
         return LoraSpec(**json.loads(state_file.read_text())["lora"])
+    if not (directory / "adapter_config.json").exists():
+        encrypted = (directory / "adapter_config.json.age").exists()
+        raise UserError("this checkpoint is an age-encrypted export: only its recipients can read it, so it cannot be "
+                        "inspected or loaded here" if encrypted else "this checkpoint holds no adapter configuration")
     config = json.loads((directory / "adapter_config.json").read_text())
     modules = set(config["target_modules"])
     return LoraSpec(rank=int(config["r"]), seed=0, train_attn=bool(modules & set(ATTN_MODULES)),

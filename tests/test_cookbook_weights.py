@@ -112,6 +112,8 @@ def test_an_export_encrypted_to_recipients_opens_only_with_their_identity(python
     # Nothing unencrypted is stored, so nothing unencrypted can be handed a URL.
     assert sorted(p.name for p in checkpoint_dir(server.data_dir, sealed).iterdir()) == encrypted_names
     assert sorted(rest.get_external_weights_urls(sealed).result().urls) == encrypted_names
+    with pytest.raises(tinker.BadRequestError, match="age-encrypted export"):  # not a 500 naming server paths
+        rest.get_weights_info_by_tinker_path(sealed).result()
 
     out = tmp_path / "sealed"
     run_cookbook(python, server, DOWNLOAD, sealed, str(out))
