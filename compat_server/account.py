@@ -13,6 +13,7 @@ from tinker import types
 from compat_server.downloads import DownloadGrant, UrlSigner
 from compat_server.records import Records
 from compat_server.records.account import AUDITED_RESOURCES
+from compat_server.tokens import TokenIssuer
 from shims.errors import NotFound, UserError
 
 MAX_TRACE_REQUESTS = 100_000
@@ -176,6 +177,10 @@ class AccountService:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     # ---- the key itself ------------------------------------------------------------------------------------------------
+    def token(self, owner: str, tokens: TokenIssuer) -> str:
+        row = self.records.key_of(owner)
+        return tokens.issue(owner, row["name"] if row else "open-auth-key")
+
     def key_info(self, owner: str, auth_mode: str) -> dict:
         """``tinker auth login`` checks a pasted key with this (the CLI's ``SelfApiKeyResponse``)."""
         row = self.records.key_of(owner)

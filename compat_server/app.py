@@ -51,7 +51,9 @@ def _bad_json(_: Request, exc: SerializationException) -> Response:
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response:
-    return _error(exc.status_code, exc.detail, "user" if exc.status_code < 500 else "server")
+    response = _error(exc.status_code, exc.detail, "user" if exc.status_code < 500 else "server")
+    response.headers.update(exc.headers or {})  # e.g. WWW-Authenticate on an expired SDK token
+    return response
 
 
 def _server_error(request: Request, exc: Exception) -> Response:

@@ -157,6 +157,10 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--download-url-ttl", type=float, default=d.download_url_ttl,
                         help="seconds a signed checkpoint download URL (external_weights_urls) stays valid "
                              "(default: %(default)s)")
+    parser.add_argument("--token-ttl", type=float, default=d.token_ttl,
+                        help="seconds a token issued by /api/v1/auth/token stays valid: the tinker SDK exchanges its "
+                             "key for one and sends it instead (refreshing it at half-life), so RestClient.whoami "
+                             "works; the key is re-checked at every request (default: %(default)s)")
     parser.add_argument("--auth", choices=["keys", "open"], default=None,
                         help="who may call the server. keys: only keys made with 'compat-server keys create' (and "
                              "not revoked); open: any key starting with 'tml-', each key its own tenant. Default: "
@@ -306,7 +310,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drift_probe_every=args.drift_probe_every, ephemeral_keep=args.ephemeral_keep,
         stability_ttl=args.stability_ttl, min_checkpoint_ttl=args.min_checkpoint_ttl,
         expiry_sweep_seconds=args.expiry_sweep_seconds, session_timeout=args.session_timeout,
-        download_url_ttl=args.download_url_ttl,
+        download_url_ttl=args.download_url_ttl, token_ttl=args.token_ttl,
         auth=args.auth, allow_open_auth=args.allow_open_auth, poll_hold_seconds=args.poll_hold_seconds,
         seq_gap_timeout=args.seq_gap_timeout, max_body_mb=args.max_body_mb, access_log=args.access_log,
         log_level=args.log_level, log_format=args.log_format, otlp_endpoint=args.otlp_endpoint,

@@ -74,6 +74,8 @@ class ServerConfig:
     """A session whose client sent no heartbeat (the SDK sends one every 10 s) for this long ends, and its models
     leave the trainer."""
     download_url_ttl: float = 3600.0
+    token_ttl: float = 3600.0
+    """Lifetime of the short-lived tokens the SDK exchanges its key for (it refreshes them at half-life)."""
     auth: str | None = None
     """``keys`` (registered keys only) or ``open`` (any ``tml-`` key is its own tenant); unset: ``open`` on a
     loopback address, ``keys`` otherwise."""
@@ -112,6 +114,7 @@ class ServerConfig:
             (self.expiry_sweep_seconds > 0, "--expiry-sweep-seconds must be > 0"),
             (self.session_timeout > 0, "--session-timeout must be > 0"),
             (self.download_url_ttl > 0, "--download-url-ttl must be > 0"),
+            (self.token_ttl >= 120, "--token-ttl must be at least 120 seconds (the SDK refreshes a minute early)"),
             (self.max_lora_rank in VLLM_LORA_RANKS,
              f"--max-lora-rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (the ranks vLLM accepts)"),
             (self.sampler_dtype in SAMPLER_DTYPES, f"--sampler-dtype must be one of {', '.join(SAMPLER_DTYPES)}"),

@@ -30,6 +30,7 @@ from compat_server.runs import RunsService
 from compat_server.sampling import SamplingOptions, SamplingService
 from compat_server.scheduler import Scheduler
 from compat_server.telemetry import observe
+from compat_server.tokens import TokenIssuer
 from compat_server.training import TrainingService
 
 log = logging.getLogger("compat_server")
@@ -51,6 +52,7 @@ class Services:
     completions: CompletionsService
     runs: RunsService
     account: AccountService
+    tokens: TokenIssuer
     base_models: dict[str, BaseModelSpec]
     background: list[asyncio.Task] = field(default_factory=list)
 
@@ -164,7 +166,8 @@ async def start_services(config: ServerConfig) -> Services:
     services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models, quota),
-                    runs=runs, account=AccountService(records, signer), base_models=base_models)
+                    runs=runs, account=AccountService(records, signer), base_models=base_models,
+                    tokens=TokenIssuer(config.url_key_path.read_bytes(), config.token_ttl))
     loop = asyncio.get_running_loop()
     services.background = [loop.create_task(_sweep_expired(services)), loop.create_task(trainers.watch(2.0))]
     return services

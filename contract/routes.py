@@ -71,6 +71,7 @@ TINKER_ROUTES: list[Route] = [
     Route("GET", "/api/v1/billing/usage/checkpoints/current", "GetCurrentCheckpointStorageUsageRequest",
           "CurrentCheckpointStorageUsageResponse"),
     Route("GET", "/api/v1/billing/usage/events", "GetBillingUsageRequest", "BillingUsageResponse"),
+    Route("POST", "/api/v1/auth/token", None, "AuthTokenResponse"),
     Route("GET", "/api/v1/auth/apikey/me", None, None),
     Route("DELETE", "/api/v1/auth/apikey/me", None, None),
 ]

@@ -66,14 +66,15 @@ def vllm_server(model_cache, tmp_path_factory):
 @pytest.fixture(scope="session")
 def keyed_server(model_cache, tmp_path_factory):
     """A server with ``--auth keys`` and registered keys (name → key): ``alice`` and ``bob`` for the multi-tenant
-    tests, ``revoked-soon`` for the revocation test, ``logs-out`` for ``tinker auth logout``. Its expiry sweep runs hourly, so an expired checkpoint's files
+    tests, ``revoked-soon`` for the revocation test, ``logs-out`` for ``tinker auth logout``,
+    ``token-holder`` for a token outliving its key. Its expiry sweep runs hourly, so an expired checkpoint's files
     stay on disk and what refuses it is the check at use."""
     from tests.helpers import keys_command
     from tests.server import start_server
 
     data_dir = tmp_path_factory.mktemp("keyed-server")
     issued = {}
-    for name in ("alice", "bob", "revoked-soon", "logs-out"):
+    for name in ("alice", "bob", "revoked-soon", "logs-out", "token-holder"):
         created = keys_command(data_dir, "create", "--name", name)
         assert created.returncode == 0, created.stderr
         issued[name] = created.stdout.strip()

@@ -139,3 +139,29 @@ def test_an_open_server_has_no_keys_to_revoke(server):
     assert api.get_self_api_key("tml-test-anyone").name == "open-auth key"
     with pytest.raises(AuthApiError, match="nothing to revoke"):
         api.delete_self_api_key("tml-test-anyone")
+
+
+def test_the_sdk_trades_its_key_for_a_token_and_whoami_reads_it(server):
+    """``pjwt_auth_enabled``: the SDK exchanges its key at /api/v1/auth/token and sends the token instead; whoami
+    reads the identity from it. A forged token answers ``invalid_token`` (the SDK then exchanges its key again)."""
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test-whoami")
+    me = rest.whoami().result()
+    assert me.user_urn.startswith("tml:user:") and me.org_urn == "tml:organization:compat-server"
+    other = tinker.RestClient(base_url=server.base_url, api_key="tml-test-whoami-2").whoami().result()
+    assert other.user_urn != me.user_urn
+    token = httpx.post(f"{server.base_url}/api/v1/auth/token", json={}, headers={"X-API-Key": "tml-test-whoami"})
+    jwt = token.json()["jwt"]
+    assert httpx.get(f"{server.base_url}/api/v1/sessions", headers={"X-API-Key": jwt}).status_code == 200
+    forged = jwt[:-4] + ("AAAA" if not jwt.endswith("AAAA") else "BBBB")
+    refused = httpx.get(f"{server.base_url}/api/v1/sessions", headers={"X-API-Key": forged})
+    assert refused.status_code == 401 and 'error="invalid_token"' in refused.headers["www-authenticate"]
+
+
+def test_a_token_dies_with_its_key(keyed_server):
+    """Under ``--auth keys`` a token is only as good as the key it was issued for, checked at every request."""
+    server, keys = keyed_server
+    jwt = httpx.post(f"{server.base_url}/api/v1/auth/token", json={},
+                     headers={"X-API-Key": keys["token-holder"]}).json()["jwt"]
+    assert httpx.get(f"{server.base_url}/api/v1/sessions", headers={"X-API-Key": jwt}).status_code == 200
+    TinkerAuthApi(httpx.Client(), base_url=server.base_url).delete_self_api_key(keys["token-holder"])
+    assert httpx.get(f"{server.base_url}/api/v1/sessions", headers={"X-API-Key": jwt}).status_code == 401

@@ -38,11 +38,6 @@ def test_every_pinned_route_is_served(tmp_path: Path):
 
 
 SDK_CALLS = json.loads((PINNED / "tinker_sdk_calls.json").read_text())["calls"]
-NOT_SERVED = {
-    ("POST", "/api/v1/auth/token"): "the JWT exchange: the SDK calls it only when client/config answers "
-                                     "pjwt_auth_enabled=true, and this server authenticates every request by its key",
-}
-"""SDK calls the server deliberately does not serve, each with the reason the SDK never makes it here."""
 
 
 def _served_instances(app) -> list[tuple[str, str]]:
@@ -61,7 +56,7 @@ def _sdk_pattern(path: str) -> re.Pattern:
 
 def test_every_route_the_sdk_calls_is_served(tmp_path: Path):
     """Read from the SDK's own source (``contract/sdk_calls.py``, pinned in tinker_sdk_calls.json): a route the SDK
-    can call that this app does not serve fails here, unless it is listed in NOT_SERVED with its reason."""
+    can call that this app does not serve fails here."""
     from compat_server.app import create_app
     from compat_server.config import ServerConfig
 
@@ -69,7 +64,7 @@ def test_every_route_the_sdk_calls_is_served(tmp_path: Path):
     missing = {(call["method"], call["path"]) for call in SDK_CALLS
                if not any(method == call["method"] and _sdk_pattern(call["path"]).match(path)
                           for method, path in served)}
-    assert missing == set(NOT_SERVED), sorted(missing - set(NOT_SERVED))
+    assert missing == set()
 
 
 def conforms(name: str, body: dict) -> dict:

@@ -62,6 +62,12 @@ async def trace_download(session_id: FromPath[str], expires: FromQuery[int], gra
     return services.account.trace(session_id, grantee, expires, signature)
 
 
+@post(f"{API}/auth/token", status_code=200)
+async def auth_token(owner: NamedDependency[str], services: NamedDependency[Services]) -> types.AuthTokenResponse:
+    """The SDK's key exchange (``pjwt_auth_enabled``): a short-lived token standing for the caller's key."""
+    return types.AuthTokenResponse(jwt=services.account.token(owner, services.tokens))
+
+
 @get(f"{API}/auth/apikey/me")
 async def own_key(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     return services.account.key_info(owner, services.config.auth_mode)
@@ -72,5 +78,5 @@ async def revoke_own_key(owner: NamedDependency[str], services: NamedDependency[
     services.account.revoke_own_key(owner)
 
 
-ACCOUNT_ROUTES = [audit_log, checkpoint_storage, usage_events, search_sessions, assign_session_project, trace_export,
+ACCOUNT_ROUTES = [auth_token, audit_log, checkpoint_storage, usage_events, search_sessions, assign_session_project, trace_export,
                   trace_download, own_key, revoke_own_key]

@@ -22,11 +22,11 @@ API = "/api/v1"
 @post(f"{API}/client/config", status_code=200)
 async def client_config(owner: NamedDependency[str],
                         services: NamedDependency[Services]) -> types.ClientConfigResponse:
-    """Feature flags for the SDK: plain API-key auth, uncompressed protobuf bodies; a sampling client polls all its
-    futures at once (``retrieve_futures``) and its unpickled clones ask for their number (``join_sampling_session``);
-    custom losses are uploaded and run in the trainer (``custom_loss_server_side``) unless
-    ``--client-side-custom-losses``."""
-    return types.ClientConfigResponse(pjwt_auth_enabled=False, proto_compress_fwdbwd=False,
+    """Feature flags for the SDK: it exchanges its key for a short-lived token (``/api/v1/auth/token``) and sends
+    uncompressed protobuf bodies; a sampling client polls all its futures at once (``retrieve_futures``) and its
+    unpickled clones ask for their number (``join_sampling_session``); custom losses are uploaded and run in the
+    trainer (``custom_loss_server_side``) unless ``--client-side-custom-losses``."""
+    return types.ClientConfigResponse(pjwt_auth_enabled=True, proto_compress_fwdbwd=False,
                                       sample_use_retrieve_futures=True, sample_join_sampling_session=True,
                                       custom_loss_server_side=services.config.custom_loss_server_side)
 
