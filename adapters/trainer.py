@@ -13,13 +13,14 @@ import os
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from adapters.actors import ray_node
+from adapters.dimuon import Dimuon
 from adapters.disk import writing
 from shims.custom_loss_graph import CustomLoss
 from shims.custom_loss_run import CustomLossBatch, check_custom_datum
@@ -52,6 +53,8 @@ class LoraSpec:
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
+    optimizer: str = "adamw"
+    """The optimizer family chosen at creation (``optimizer_config``): ``adamw`` or ``dimuon``."""
 
     def target_modules(self) -> list[str]:
         return ((ATTN_MODULES if self.train_attn else []) + (MLP_MODULES if self.train_mlp else [])
@@ -62,6 +65,8 @@ class LoraSpec:
             raise UserError(f"LoRA rank must be between 1 and {MAX_LORA_RANK}, got {self.rank}")
         if not self.target_modules():
             raise UserError("at least one of train_mlp, train_attn, train_unembed must be true")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,26 @@ class AdamHyper:
             raise UserError(f"adam_params.eps must be > 0 (0 divides by zero on untouched weights), got {self.eps}")
         if self.beta1 >= 1 or self.beta2 >= 1:
             raise UserError(f"adam_params beta1 and beta2 must be < 1, got {self.beta1}, {self.beta2}")
+
+
+@dataclass(frozen=True)
+class DimuonHyper:
+    """Tinker's ``DimuonParams`` (``adapters/dimuon.py``); they may change on every optim_step."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    grad_clip_norm: float = 0.0
+
+    def validate(self) -> None:
+        if not all(math.isfinite(v) for v in asdict(self).values()):
+            raise UserError(f"dimuon params must be finite numbers, got {asdict(self)}")
+        if self.learning_rate < 0 or not 0 <= self.beta1 < 1:
+            raise UserError(f"dimuon params need learning_rate ≥ 0 and 0 ≤ beta1 < 1, got {self.learning_rate}, "
+                            f"{self.beta1}")
+
+
+OPTIMIZERS = {"adamw": AdamHyper, "dimuon": DimuonHyper}
+"""Optimizer family → the per-step parameters it takes."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +153,7 @@ class _Adapter:
     name: str
     spec: LoraSpec
     params: list[torch.nn.Parameter]
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer
     step: int = 0
 
 
@@ -184,7 +209,8 @@ class MultiLoRATrainer:
         params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(params, lr=AdamHyper.learning_rate, foreach=False)
+        optimizer = Dimuon(params, spec.rank) if spec.optimizer == "dimuon" else \
+            torch.optim.AdamW(params, lr=AdamHyper.learning_rate, foreach=False)
         self.adapters[model_id] = _Adapter(name=name, spec=spec, params=params, optimizer=optimizer)
 
     def unload(self, model_id: str) -> None:
@@ -339,10 +365,14 @@ class MultiLoRATrainer:
             if directory is not None:
                 self.unload(probe)
 
-    def optim_step(self, model_id: str, hyper: AdamHyper) -> dict[str, float]:
-        """Apply the accumulated gradient with AdamW (decoupled weight decay), then clear it."""
+    def optim_step(self, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
+        """Apply the accumulated gradient with the run's optimizer (AdamW with decoupled weight decay, or Dimuon),
+        then clear it."""
         hyper.validate()
         adapter = self._get(model_id)
+        if not isinstance(hyper, OPTIMIZERS[adapter.spec.optimizer]):
+            raise UserError(f"this training run uses the {adapter.spec.optimizer} optimizer (chosen when it was "
+                            f"created): send {'AdamParams' if adapter.spec.optimizer == 'adamw' else 'DimuonParams'}")
         grads = [p for p in adapter.params if p.grad is not None]
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in grads])) if grads else 0.0
         if not math.isfinite(grad_norm):
@@ -353,8 +383,11 @@ class MultiLoRATrainer:
             torch.nn.utils.clip_grads_with_norm_(grads, hyper.grad_clip_norm,
                                                  torch.tensor(grad_norm, device=grads[0].device))
         for group in adapter.optimizer.param_groups:
-            group.update(lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
-                         weight_decay=hyper.weight_decay)
+            if isinstance(hyper, AdamHyper):
+                group.update(lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+                             weight_decay=hyper.weight_decay)
+            else:
+                group.update(lr=hyper.learning_rate, beta1=hyper.beta1)
         adapter.optimizer.step()
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.step += 1
@@ -393,6 +426,8 @@ class MultiLoRATrainer:
 
         src = Path(directory)
         spec = read_lora_spec(src)
+        if not with_optimizer and model_id in self.adapters:  # weights only: the run keeps its optimizer family
+            spec = replace(spec, optimizer=self.adapters[model_id].spec.optimizer)
         if with_optimizer and not (src / OPTIMIZER_STATE).exists():
             raise UserError("this checkpoint has no optimizer state (sampler weights); load it without the optimizer")
         staging_id = f"{model_id}#loading"  # built beside the current adapter, swapped in only once complete

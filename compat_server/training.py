@@ -12,8 +12,9 @@ import secrets
 from dataclasses import asdict
 
 from tinker import types
+from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 
-from adapters.trainer import AdamHyper, LoraSpec, StepRequest
+from adapters.trainer import AdamHyper, DimuonHyper, LoraSpec, StepRequest
 from compat_server.futures import PROTOBUF, Payload
 from compat_server.telemetry import TOKENS_TRAINED
 from compat_server.training_checkpoints import CheckpointCalls
@@ -23,6 +24,29 @@ from shims.errors import NotFound, UserError
 from shims.training_wire import ForwardBackwardBatch, encode_forward_backward_output
 
 log = logging.getLogger("compat_server.training")
+
+
+def optimizer_family(config: OptimizerConfigBase) -> str:
+    """``create_model``'s ``optimizer_config`` → the family the run trains with (``adamw`` or ``dimuon`` v1)."""
+    fields = config.model_dump(exclude={"type"})
+    if config.type == "adamw" and not fields:
+        return "adamw"
+    if config.type == "dimuon" and fields == {"version": 1}:
+        return "dimuon"
+    raise UserError(f"optimizer_config {config.model_dump()} is not supported; use AdamOptimizerConfig() or "
+                    "DimuonOptimizerConfig() (version 1)")
+
+
+def optimizer_hyper(params: types.AdamParams | OptimParamsBase) -> AdamHyper | DimuonHyper:
+    """``optim_step``'s parameters → the trainer's, refusing unknown families and fields by name."""
+    if isinstance(params, types.AdamParams):
+        return AdamHyper(**params.model_dump())
+    if params.type != "dimuon":
+        raise UserError(f"optimizer params of type {params.type!r} are not supported; use AdamParams or DimuonParams")
+    try:
+        return DimuonHyper(**params.model_dump(exclude={"type"}))
+    except TypeError as exc:
+        raise UserError(f"DimuonParams takes learning_rate, beta1 and grad_clip_norm: {exc}") from None
 
 
 class TrainingService(CheckpointCalls):
@@ -45,13 +69,13 @@ class TrainingService(CheckpointCalls):
             base = self._base(req.base_model)
             if req.lora_config is None:
                 raise UserError("lora_config is required: this server trains LoRA adapters")
-            if req.optimizer_config.type != "adamw":
-                raise UserError(f"optimizer {req.optimizer_config.type!r} is not supported; use adamw")
+            optimizer = optimizer_family(req.optimizer_config)
             if self.records.model(model_id, owner) is not None:
                 raise UserError(f"model {model_id} already exists")
             lora = req.lora_config
             spec = LoraSpec(rank=lora.rank, seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
-                            train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed)
+                            train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+                            optimizer=optimizer)
             spec.validate()
             if spec.rank > self.max_lora_rank:
                 raise UserError(f"LoRA rank {spec.rank} is above this server's --max-lora-rank {self.max_lora_rank} "
@@ -139,9 +163,7 @@ class TrainingService(CheckpointCalls):
 
     def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
-            if not isinstance(req.optim_params, types.AdamParams):
-                raise UserError(f"optimizer params of type {req.optim_params.type!r} are not supported; use adam_params")
-            hyper = AdamHyper(**req.optim_params.model_dump())
+            hyper = optimizer_hyper(req.optim_params)
             metrics = await self.scheduler.trainer(row["base_model"], "optim_step", req.model_id, hyper)
             self._last_step[req.model_id] = int(metrics["step"])
             log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
