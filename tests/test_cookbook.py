@@ -89,3 +89,44 @@ def test_math_rl_arithmetic(python, server, tmp_path, loss_fn):
         assert recorded >= 3 * 4 * 4  # steps × groups × group size
         run_id = json.loads((tmp_path / "checkpoints.jsonl").read_text().splitlines()[0])["state_path"].split("/")[2]
         assert any(run_id in line and "stable_reinforce loss:sum" in line for line in server.log().splitlines())
+
+
+DPO_DRIVER = """
+import sys
+from tinker_cookbook.preference import train_dpo
+from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+log_path, data, model = sys.argv[1:]
+common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=model, renderer_name="role_colon", max_length=256,
+                                        batch_size=4)
+train_dpo.main(train_dpo.Config(
+    log_path=log_path, model_name=model, recipe_name="compat-server-test", renderer_name="role_colon",
+    dataset_builder=DPODatasetBuilderFromComparisons(comparison_builder=ComparisonBuilderFromJsonl(train_path=data),
+                                                     common_config=common),
+    learning_rate=1e-3, dpo_beta=0.5, lora_rank=8, save_every=2, eval_every=0))
+"""
+
+
+def test_dpo_with_the_cookbooks_trainer(python, server, tmp_path):
+    """tinker_cookbook.preference.train_dpo, unmodified, on comparisons from a local JSONL (its recipe CLI offers
+    only Hugging Face datasets, which cannot be downloaded here): its DPO loss runs through forward_backward_custom
+    (a plain function, so the SDK's client-side path), against a reference model it samples from."""
+    rows = [{"comparison": {"prompt_conversation": [{"role": "user", "content": f"Say {word}."}],
+                            "completion_A": [{"role": "assistant", "content": f"{word}!"}],
+                            "completion_B": [{"role": "assistant", "content": "No."}]}, "label": "A"}
+            for word in ["yes", "hello", "blue", "seven", "north", "tea", "rain", "moon"]]
+    data = tmp_path / "comparisons.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": "tml-test-cookbook-dpo",
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([str(python), "-c", DPO_DRIVER, str(tmp_path / "log"), str(data), BASE_MODEL], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"train_dpo failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    metrics = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    losses = finite(metrics, "dpo_loss")
+    assert len(losses) == 2  # 16 datums (8 pairs), 4 per batch: two steps
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-3)  # policy = reference at the first step
+    assert losses[-1] < losses[0]  # the step moved the policy toward the chosen answers
+    assert assert_checkpoints_listed(server, "tml-test-cookbook-dpo", tmp_path / "log") >= 1
