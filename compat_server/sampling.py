@@ -10,7 +10,6 @@ how far the sampler's logprobs drift from the trainer's for the same tokens.
 from __future__ import annotations
 
 import logging
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from adapters.base_models import BaseModelSpec
 from adapters.sampler import AdapterRef
 from adapters.sampler_pool import SamplerPool
 from compat_server.checkpoints import CheckpointStore, parse_path
+from compat_server.ephemeral_weights import EphemeralWeights
 from compat_server.futures import PROTOBUF, Payload, poll_group
 from compat_server.records import Records
 from compat_server.sampling_stats import SamplingMeter
@@ -95,13 +95,7 @@ class SamplingService:
             for name, facts in samplers.facts.items()
         }
         self.meter = SamplingMeter(list(base_models), options.drift_probe_every, self._score)
-        # Unnamed saves do not outlive the process that made them (their training model does not either).
-        self.ephemeral_root = ephemeral_root
-        shutil.rmtree(ephemeral_root, ignore_errors=True)
-        ephemeral_root.mkdir(parents=True, exist_ok=True)
-        self._ephemeral: dict[str, list[Path]] = {}
-        self._inflight: dict[str, AdapterRef] = {}
-        self._counter = 0
+        self.ephemeral = EphemeralWeights(ephemeral_root, options.ephemeral_keep)
 
     # ---- sampling sessions ----------------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, req: types.CreateSamplingSessionRequest) -> str:
@@ -160,32 +154,17 @@ class SamplingService:
         return await self.scheduler.trainer(base_model, "score", adapter.directory if adapter else None, tokens)
 
     # ---- ephemeral sampler weights ---------------------------------------------------------------------------------
-    def ephemeral_directory(self, model_id: str) -> Path:
-        """A fresh directory for an unnamed save of ``model_id``'s weights."""
-        self._counter += 1
-        return self.ephemeral_root / model_id.replace(":", "_") / f"{self._counter:08d}"
-
     def register_ephemeral(self, owner: str, model_row: dict, sampling_session_seq_id: int | None, kind: str,
                            directory: Path) -> str:
-        """Record a sampling session over weights just saved into ``directory``; returns its id."""
+        """Record a sampling session over weights just saved into ``directory`` (``self.ephemeral.directory``)."""
         if sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler without a name needs sampling_session_seq_id")
-        model_id = model_row["id"]
-        if kind == "inflight":
-            previous = self._inflight.get(model_id)
-            ref = AdapterRef(f"{model_id}#inflight", str(directory), (previous.version + 1) if previous else 1)
-            self._inflight[model_id] = ref
-        else:
-            ref = AdapterRef(f"{model_id}#{directory.name}", str(directory))
+        ref = self.ephemeral.add(model_row["id"], kind, directory)
         sampler_id = sampler_id_for(model_row["session_id"], sampling_session_seq_id)
         self.records.create_sampler(sampler_id, session_id=model_row["session_id"], owner=owner,
-                                    base_model=model_row["base_model"], kind=kind, model_id=model_id,
+                                    base_model=model_row["base_model"], kind=kind, model_id=model_row["id"],
                                     adapter_key=ref.key, adapter_dir=str(directory))
-        kept = self._ephemeral.setdefault(model_id, [])
-        kept.append(directory)
-        while len(kept) > self.options.ephemeral_keep:
-            shutil.rmtree(kept.pop(0), ignore_errors=True)
-        log.info("sampler weights saved (%s): %s → sampling session %s", kind, model_id, sampler_id)
+        log.info("sampler weights saved (%s): %s → sampling session %s", kind, model_row["id"], sampler_id)
         return sampler_id
 
     # ---- asample --------------------------------------------------------------------------------------------------
@@ -223,7 +202,7 @@ class SamplingService:
         if row["kind"] == "checkpoint":
             return self._sampler_checkpoint(owner, row["model_path"], row["checkpoint_uid"] or "")[1]
         if row["kind"] == "inflight":
-            ref = self._inflight.get(row["model_id"])
+            ref = self.ephemeral.inflight(row["model_id"])
             if ref is None:
                 raise UserError(f"the inflight weights of sampling session {row['id']} are gone (the server "
                                 "restarted); save weights for sampling again")

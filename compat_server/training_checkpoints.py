@@ -137,7 +137,7 @@ class CheckpointCalls(TrainingCore):
     async def _save_unnamed_for_sampler(self, owner: str, row: dict, req: types.SaveWeightsForSamplerRequest) -> Payload:
         """``save_weights_and_get_sampling_client``: weights saved outside the checkpoint listing, and a sampling
         session over them that can sample at once."""
-        directory = self.sampling.ephemeral_directory(row["id"])
+        directory = self.sampling.ephemeral.directory(row["id"])
         staging = directory.with_name(f".staging-{directory.name}")
         try:
             with disk_full_names(f"sampler weights of {row['id']}"):
