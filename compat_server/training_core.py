@@ -115,22 +115,28 @@ class TrainingCore:
         return self._future(request_id, model_id)
 
     async def expire_sessions(self, timeout_seconds: float) -> int:
-        """End sessions that stopped heartbeating ``timeout_seconds`` ago: their models leave the trainer (their
-        saved checkpoints stay; load one to continue). Returns how many sessions ended."""
+        """End sessions that stopped heartbeating ``timeout_seconds`` ago. Returns how many sessions ended."""
         cutoff = (datetime.now(UTC) - timedelta(seconds=timeout_seconds)).isoformat()
         stale = self.records.stale_sessions(cutoff)
         for session in stale:
-            models = self.records.active_models_of(session["id"])
-            for row in models:
-                try:
-                    await self.scheduler.trainer(row["base_model"], "unload", row["id"])
-                except Exception as exc:  # noqa: BLE001 - the model is gone from the trainer either way
-                    log.warning("unloading %s of expired session %s: %s", row["id"], session["id"], exc)
-                self.records.set_model_status(row["id"], "unloaded (its session expired; load a checkpoint of it "
-                                                         "into a new training client to continue)")
-            self.records.finish_session(session["id"], "expired")
-            self.custom_losses.drop_session(session["id"])
+            unloaded = await self.end_session(session["id"], "expired", "its session expired")
             log.info("session expired: %s (no heartbeat since %s); models unloaded: %s", session["id"],
-                     session["last_heartbeat"], ", ".join(row["id"] for row in models) or "none")
+                     session["last_heartbeat"], ", ".join(unloaded) or "none")
         return len(stale)
+
+    async def end_session(self, session_id: str, reason: str, why: str) -> list[str]:
+        """A session ends (its client closed it, or it expired): its training runs leave the trainer, so their
+        adapter slots (``--max-adapters``, ``--max-adapters-per-key``) are free again, and its custom losses go;
+        its saved checkpoints stay (load one into a new training client to continue). Returns the runs unloaded."""
+        models = self.records.active_models_of(session_id)
+        for row in models:
+            try:
+                await self.scheduler.trainer(row["base_model"], "unload", row["id"])
+            except Exception as exc:  # noqa: BLE001 - the model is gone from the trainer either way
+                log.warning("unloading %s of ended session %s: %s", row["id"], session_id, exc)
+            self.records.set_model_status(row["id"], f"unloaded ({why}; load a checkpoint of it into a new "
+                                                     "training client to continue)")
+        self.records.finish_session(session_id, reason)
+        self.custom_losses.drop_session(session_id)
+        return [row["id"] for row in models]
 

@@ -34,9 +34,12 @@ def tiny_model_dir(model_cache) -> Path:
     return ensure_tiny_model(model_cache)
 
 
-SERVER_ARGS = ("--drift-probe-every", "2", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "1")
+SERVER_ARGS = ("--drift-probe-every", "2", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "1",
+               "--max-adapters", "256")
 """Every other sample request is re-scored by the trainer, so the drift metric is exercised by the tests; TTLs down
-to a second and a sweep every second let the expiry tests run in seconds."""
+to a second and a sweep every second let the expiry tests run in seconds. The shared servers host every module's
+tenants for the whole run, and most clients stay open until it ends: more training runs are alive at once than one
+trainer holds by default (64)."""
 
 
 @pytest.fixture(scope="session")

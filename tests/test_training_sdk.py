@@ -236,3 +236,20 @@ def test_concurrent_runs_share_trainer_batches_and_get_their_own_results(service
         assert result.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-5)
         np.testing.assert_allclose(result.loss_fn_outputs[0]["logprobs"].to_numpy(),
                                    alone.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-5)
+
+
+def test_closing_a_session_frees_its_training_runs(server, datum):
+    """``ServiceClient.close`` ends the session: its runs leave the trainer (their adapter slots count against
+    ``--max-adapters`` and ``--max-adapters-per-key`` no more), their checkpoints stay and load into a new client."""
+    key = "tml-test-close-session"
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    run = service.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+    state = run.save_state("kept").result().path
+    expected = forward_logprobs(run, datum)
+    session_id = service.holder.get_session_id()
+    service.close("success").result()
+    line = next(line for line in server.log().splitlines() if f"session finished: {session_id}" in line)
+    assert f"models unloaded: {run.model_id}" in line
+    resumed = tinker.ServiceClient(base_url=server.base_url, api_key=key).create_training_client_from_state(
+        state).result()
+    np.testing.assert_allclose(forward_logprobs(resumed, datum), expected, atol=1e-6, rtol=0)

@@ -65,16 +65,18 @@ async def session_heartbeat(owner: NamedDependency[str], services: NamedDependen
 @post(f"{API}/sessions/{{session_id:str}}/finish", status_code=200)
 async def finish_session(session_id: FromPath[str], owner: NamedDependency[str], services: NamedDependency[Services],
                          data: Annotated[dict[str, Any], Body()]) -> dict:
-    """Closing a session records why (success / errored / interrupted); the first reason given wins."""
+    """Closing a session records why (success / errored / interrupted; the first reason given wins) and ends it:
+    its training runs leave the trainer (the SDK rejects further operations on a closed session anyway)."""
     row = services.records.session(session_id, owner)
     if row is None:
         raise UserError(f"unknown session_id {session_id!r}")
     reason = data.get("reason")
     reason_type = reason.get("type") if isinstance(reason, dict) else None
     if not row["finished"]:
-        services.records.finish_session(session_id, str(reason_type or "unknown"))
-        services.training.custom_losses.drop_session(session_id)
-        log.info("session finished: %s (%s)", session_id, reason_type or "unknown")
+        unloaded = await services.training.end_session(session_id, str(reason_type or "unknown"),
+                                                       "its session was closed")
+        log.info("session finished: %s (%s); models unloaded: %s", session_id, reason_type or "unknown",
+                 ", ".join(unloaded) or "none")
     return {}
 
 
