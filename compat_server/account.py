@@ -4,7 +4,6 @@ record (``tinker auth login`` / ``logout``). Everything is scoped to the calling
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -13,6 +12,7 @@ from tinker import types
 from compat_server.downloads import DownloadGrant, UrlSigner
 from compat_server.records import Records
 from compat_server.records.account import AUDITED_RESOURCES
+from compat_server.runs import string_metadata
 from compat_server.tokens import TokenIssuer
 from shims.errors import NotFound, UserError
 
@@ -126,7 +126,7 @@ class AccountService:
         return types.SessionSearchResponse(sessions=summaries, next_cursor=cursor)
 
     def _session_matches(self, row: dict, req: types.SessionSearchRequest, words: list[str]) -> bool:
-        metadata = json.loads(row["user_metadata"] or "{}")
+        metadata = string_metadata(row["user_metadata"])
         named = bool(words) and all(w in (row["display_name"] or "").lower() for w in words)
         if (req.session_id is not None or words) and not (row["id"] == req.session_id or named):
             return False
@@ -141,7 +141,7 @@ class AccountService:
         return types.SessionSummary(
             session_id=row["id"], created_at=row["created"], owner=f"key:{row['owner'][:16]}",
             project_id=row["project_id"] or "default", status=_session_status(row), checkpoints_count=count,
-            display_name=row["display_name"], user_metadata=json.loads(row["user_metadata"] or "{}") or None,
+            display_name=row["display_name"], user_metadata=string_metadata(row["user_metadata"]) or None,
             checkpoint_storage_bytes=size)
 
     # ---- trace export ----------------------------------------------------------------------------------------------------

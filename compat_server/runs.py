@@ -37,6 +37,13 @@ def _page(limit: int, offset: int) -> tuple[int, int]:
     return limit, offset
 
 
+def string_metadata(text: str | None) -> dict[str, str]:
+    """Stored user metadata as the SDK's response types take it (string values): ``create_session`` and
+    ``create_model`` accept any JSON values, so a non-string one is answered, and searched, as its JSON text."""
+    metadata = json.loads(text or "{}")
+    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in metadata.items()}
+
+
 def checkpoint_of(row: dict) -> types.Checkpoint:
     return types.Checkpoint(
         checkpoint_id=row["checkpoint_id"], checkpoint_type=row["kind"], time=row["created"],
@@ -64,7 +71,7 @@ class RunsService:
             training_run_id=row["id"], base_model=row["base_model"], model_owner=row["owner"][:16],
             is_lora=bool(row["is_lora"]), corrupted=False, lora_rank=row["lora_rank"],
             last_request_time=row["last_request"], last_checkpoint=last["training"],
-            last_sampler_checkpoint=last["sampler"], user_metadata=json.loads(row["user_metadata"] or "{}") or None)
+            last_sampler_checkpoint=last["sampler"], user_metadata=string_metadata(row["user_metadata"]) or None)
 
     def get_training_run(self, owner: str, training_run_id: str) -> types.TrainingRun:
         return self._training_run(self._run(owner, training_run_id))
@@ -216,4 +223,4 @@ class RunsService:
             raise NotFound(f"session {session_id!r} not found")
         runs, samplers = self.records.session_children(session_id)
         return types.GetSessionResponse(training_run_ids=runs, sampler_ids=samplers,
-                                        user_metadata=json.loads(row["user_metadata"] or "{}") or None)
+                                        user_metadata=string_metadata(row["user_metadata"]) or None)

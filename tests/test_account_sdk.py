@@ -165,3 +165,18 @@ def test_a_token_dies_with_its_key(keyed_server):
     assert httpx.get(f"{server.base_url}/api/v1/sessions", headers={"X-API-Key": jwt}).status_code == 200
     TinkerAuthApi(httpx.Client(), base_url=server.base_url).delete_self_api_key(keys["token-holder"])
     assert httpx.get(f"{server.base_url}/api/v1/sessions", headers={"X-API-Key": jwt}).status_code == 401
+
+
+def test_sessions_with_any_json_metadata_are_searchable(server):
+    """``create_session`` takes user metadata with any JSON values (the fuzz run sent numbers, lists, null); search
+    and get_session answer them as JSON text instead of failing with a 500."""
+    key = {"X-API-Key": "tml-test-account-json"}
+    created = httpx.post(f"{server.base_url}/api/v1/create_session", headers=key, json={
+        "tags": [], "user_metadata": {"n": 5, "xs": [1, None], "ok": "yes"}, "sdk_version": "raw", "type": "create_session"})
+    assert created.status_code == 200
+    found = httpx.post(f"{server.base_url}/api/v1/sessions/search", headers=key, json={"user_metadata": {"n": "5"}})
+    assert found.status_code == 200, found.text
+    [summary] = found.json()["sessions"]
+    assert summary["user_metadata"] == {"n": "5", "xs": "[1, null]", "ok": "yes"}
+    session = httpx.get(f"{server.base_url}/api/v1/sessions/{summary['session_id']}", headers=key)
+    assert session.status_code == 200 and session.json()["user_metadata"]["xs"] == "[1, null]"
