@@ -158,7 +158,8 @@ class RunRecords(RecordsBase):
 
     def forget_results(self, owner: str, poll_group: str, request_ids: list[str]) -> None:
         """Drop the payloads a client reports fully retrieved (``retrieved_request_ids``); their state stays."""
-        for request_id in request_ids:
-            self.db.execute("UPDATE futures SET result = NULL WHERE request_id = ? AND owner = ? AND poll_group = ? "
-                            "AND state = 'complete'", [request_id, owner, poll_group])
+        with self.db.conn:  # one committed transaction, like every other write here
+            self.db.conn.executemany("UPDATE futures SET result = NULL WHERE request_id = ? AND owner = ? AND "
+                                     "poll_group = ? AND state = 'complete'",
+                                     [(request_id, owner, poll_group) for request_id in request_ids])
 
