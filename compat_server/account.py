@@ -108,12 +108,11 @@ class AccountService:
         before = (req.cursor.last_created_at.astimezone(UTC).isoformat(), req.cursor.last_session_id) \
             if req.cursor else None
         words = (req.display_name or "").lower().split()
-        found, scanned = [], 0
+        found: list[dict] = []
         while len(found) < req.limit + 1:
             rows = self.records.search_sessions(owner, before=before, limit=500)
             if not rows:
                 break
-            scanned += len(rows)
             for row in rows:
                 if self._session_matches(row, req, words):
                     found.append(row)
