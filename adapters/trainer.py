@@ -19,7 +19,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adapters import adapter_files
 from adapters.actors import ray_node
+from adapters.adapter_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    ATTN_MODULES,
+    HOSTED_UNEMBED,
+    MLP_MODULES,
+    OPTIMIZER_STATE,
+    TRAINER_STATE,
+    UNEMBED_MODULES,
+)
 from adapters.dimuon import Dimuon
 from adapters.disk import writing
 from shims.custom_loss_graph import CustomLoss
@@ -33,15 +44,6 @@ LORA_ALPHA = 32
 
 MAX_LORA_RANK = 512
 """The largest rank the trainer itself takes (vLLM's largest); the server's ``--max-lora-rank`` is usually lower."""
-
-ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
-UNEMBED_MODULES = ["lm_head"]
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-OPTIMIZER_STATE = "optimizer.pt"
-TRAINER_STATE = "trainer_state.json"
-
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ class MultiLoRATrainer:
             arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
             pid=os.getpid(), boot=uuid.uuid4().hex,
         )
+        self.tied = self.base.get_output_embeddings().weight is self.base.get_input_embeddings().weight
+        """One matrix embeds tokens and unembeds them: an unembedding LoRA then acts on both sides (``_embed``)."""
         self.peft = None
         self.adapters: dict[str, _Adapter] = {}
         self.max_adapters = max_adapters
@@ -287,7 +291,7 @@ class MultiLoRATrainer:
         lm_head = self._model().get_output_embeddings()
         with torch.set_grad_enabled(not all(request.forward_only for _, request, _, _ in ready)):
             with routed(adapter_names=names):
-                hidden = self._hidden_states(data)
+                hidden = self._hidden_states(data, names)
             row, trained, learning = 0, [], set()
             for index, request, adapter, config in ready:
                 total = torch.zeros((), device=self.device)
@@ -336,28 +340,48 @@ class MultiLoRATrainer:
             if isinstance(outcomes[index], StepResult):
                 outcomes[index].seconds = seconds
 
-    def _hidden_states(self, data: list[DatumArrays]) -> torch.Tensor:
-        """Final hidden states of a right-padded batch; padded positions are masked out and never read."""
+    def _hidden_states(self, data: list[DatumArrays], names: list[str] | None) -> torch.Tensor:
+        """Final hidden states of a right-padded batch, row ``i`` through adapter ``names[i]`` (None: the base
+        model); padded positions are masked out and never read."""
         longest = max(d.tokens.size for d in data)
         ids = torch.zeros((len(data), longest), dtype=torch.long)
         mask = torch.zeros((len(data), longest), dtype=torch.long)
         for i, d in enumerate(data):
             ids[i, : d.tokens.size] = torch.tensor(d.tokens)
             mask[i, : d.tokens.size] = 1
-        return self._model().get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        embeds = self._embed(ids.to(self.device), names)
+        return self._model().get_decoder()(inputs_embeds=embeds, attention_mask=mask.to(self.device)).last_hidden_state
+
+    def _embed(self, ids: torch.Tensor, names: list[str] | None) -> torch.Tensor:
+        """Input embeddings. On a tied model the unembedding LoRA changes the shared matrix, so a row whose adapter
+        has one also gets its delta here: row ``t`` of scale·B·A is scale·B[t]·A, from the same parameters the head
+        uses (one gradient for the one matrix, as training it tied means)."""
+        embeds = self._model().get_input_embeddings()(ids)
+        head = self._model().get_output_embeddings()
+        if not self.tied or names is None or not hasattr(head, "lora_A"):
+            return embeds
+        for name in dict.fromkeys(names):
+            if name not in head.lora_A:
+                continue
+            rows = torch.tensor([i for i, n in enumerate(names) if n == name], device=ids.device)
+            delta = torch.nn.functional.embedding(ids[rows], head.lora_B[name].weight) @ head.lora_A[name].weight
+            embeds = embeds.index_add(0, rows, delta * head.scaling[name])
+        return embeds
 
     def score(self, directory: str | None, tokens: list[int]) -> list[float]:
         """Logprobs of ``tokens[1:]`` under the base model plus the adapter saved in ``directory`` (None: the base
         model alone), computed exactly as ``forward`` computes them. Samplers' reported logprobs are checked against
         this to measure rollout-vs-train drift; the adapters being trained are not touched."""
         probe = "#logprob-probe"
+        names = None
         if directory is not None:
             self.load_state(probe, directory, with_optimizer=False)
             self._activate(self.adapters[probe])
+            names = [self.adapters[probe].name]
         base_only = self.peft.disable_adapter() if directory is None and self.peft is not None else nullcontext()
         try:
             with torch.no_grad(), base_only:
-                hidden = self._hidden_states([DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64))])
+                hidden = self._hidden_states([DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64))], names)
                 logprobs = torch.log_softmax(self._model().get_output_embeddings()(hidden[0]).float(), dim=-1)
                 targets = torch.tensor(tokens[1:], device=self.device).unsqueeze(1)
                 return logprobs.gather(1, targets).squeeze(1).cpu().tolist()
@@ -395,17 +419,31 @@ class MultiLoRATrainer:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_for_sampler(self, model_id: str, directory: str) -> None:
-        """Write the adapter as a standard PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+        """Write the adapter as a standard PEFT directory (adapter_config.json + adapter_model.safetensors) that any
+        PEFT loader turns into the trained model (``adapters.adapter_files``: the stored naming)."""
+        self._write_adapter(model_id, Path(directory), export=False)
+
+    def save_for_export(self, model_id: str, directory: str) -> None:
+        """Write the adapter for download, named as hosted Tinker names it (``adapters.adapter_files``)."""
+        self._write_adapter(model_id, Path(directory), export=True)
+
+    def _write_adapter(self, model_id: str, out: Path, export: bool) -> None:
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
         adapter = self._get(model_id)
-        out = Path(directory)
-        state = get_peft_model_state_dict(self.peft, adapter_name=adapter.name, save_embedding_layers=False)
+        state = {k: v.detach().cpu() for k, v in
+                 get_peft_model_state_dict(self.peft, adapter_name=adapter.name, save_embedding_layers=False).items()}
+        if export:
+            state = adapter_files.exported(state)
+        elif self.tied:
+            state = adapter_files.with_tied_input_side(state)
+        config = self.peft.peft_config[adapter.name]
+        modules = adapter_files.target_modules(sorted(config.target_modules), tied=self.tied, export=export)
         with writing(out):
             out.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
-            self.peft.peft_config[adapter.name].save_pretrained(str(out))
+            save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
+            replace(config, target_modules=modules).save_pretrained(str(out))
 
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
@@ -434,7 +472,7 @@ class MultiLoRATrainer:
         self.create(staging_id, spec)
         staged = self.adapters[staging_id]
         try:
-            result = set_peft_model_state_dict(self.peft, load_file(str(src / ADAPTER_WEIGHTS)),
+            result = set_peft_model_state_dict(self.peft, adapter_files.for_loading(load_file(str(src / ADAPTER_WEIGHTS))),
                                                adapter_name=staged.name)
             missing = [k for k in result.missing_keys if f".{staged.name}." in k]
             if missing:
@@ -454,22 +492,17 @@ class MultiLoRATrainer:
         return spec
 
 
-def read_saved_step(directory: Path) -> int | None:
-    """The optimizer step a training checkpoint was saved at (None for sampler weights, which have no state)."""
-    state_file = directory / TRAINER_STATE
-    return int(json.loads(state_file.read_text())["step"]) if state_file.exists() else None
-
-
 def read_lora_spec(directory: Path) -> LoraSpec:
     """The LoRA layout of a saved adapter: from our trainer state if present, else from its PEFT config."""
     state_file = directory / TRAINER_STATE
     if state_file.exists():
         return LoraSpec(**json.loads(state_file.read_text())["lora"])
-    if not (directory / "adapter_config.json").exists():
-        encrypted = (directory / "adapter_config.json.age").exists()
+    if not (directory / ADAPTER_CONFIG).exists():
+        encrypted = (directory / f"{ADAPTER_CONFIG}.age").exists()
         raise UserError("this checkpoint is an age-encrypted export: only its recipients can read it, so it cannot be "
                         "inspected or loaded here" if encrypted else "this checkpoint holds no adapter configuration")
-    config = json.loads((directory / "adapter_config.json").read_text())
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
     modules = set(config["target_modules"])
     return LoraSpec(rank=int(config["r"]), seed=0, train_attn=bool(modules & set(ATTN_MODULES)),
-                    train_mlp=bool(modules & set(MLP_MODULES)), train_unembed=bool(modules & set(UNEMBED_MODULES)))
+                    train_mlp=bool(modules & set(MLP_MODULES)),
+                    train_unembed=bool(modules & {*UNEMBED_MODULES, HOSTED_UNEMBED}))

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from tinker import types
 
+from adapters.adapter_files import read_saved_step
 from adapters.disk import DiskFull
-from adapters.trainer import LoraSpec, read_lora_spec, read_saved_step
+from adapters.trainer import LoraSpec, read_lora_spec
 from compat_server.checkpoints import parse_path, tinker_path
 from compat_server.encryption import encrypt_directory, parse_recipients
 from compat_server.futures import Payload
@@ -121,14 +122,14 @@ class CheckpointCalls(TrainingCore):
         return self._ordered(owner, "save_weights_for_sampler", req.model_id, req.seq_id, idem, job)
 
     def save_weights_external(self, owner: str, req: types.SaveWeightsExternalRequest, idem: str | None) -> dict:
-        """The adapter as a standard PEFT directory under ``external_weights/``, for download with
-        ``get_external_weights_urls`` — given ``age_encryption_recipients``, every file encrypted to them as
-        ``<name>.age`` before it is published."""
+        """The adapter under ``external_weights/``, for download with ``get_external_weights_urls``, its tensors
+        named as hosted Tinker names exports (``adapters.adapter_files``) — given ``age_encryption_recipients``, every
+        file encrypted to them as ``<name>.age`` before it is published."""
         async def job(row: dict) -> Payload:
             encrypt = None
             if req.age_encryption_recipients is not None:
                 encrypt = partial(encrypt_directory, recipients=parse_recipients(req.age_encryption_recipients))
-            path = await self._save(owner, row, "external", req.path, "save_for_sampler", False, req.ttl_seconds,
+            path = await self._save(owner, row, "external", req.path, "save_for_export", False, req.ttl_seconds,
                                     None, encrypt)
             return json_payload(types.SaveWeightsExternalResponseInternal(path=path, type="save_weights_external"))
 

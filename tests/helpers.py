@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -140,12 +141,38 @@ def checkpoint_dir(data_dir: Path, tinker_path: str) -> Path:
 
 
 def reference_peft_model(base_dir: Path, adapter_dir: Path, trainable: bool = False):
-    """The adapter loaded the ordinary way, with transformers + peft, in fp32 — independent of the server."""
+    """The adapter loaded the ordinary way, with transformers + peft, in fp32 — independent of the server.
+
+    On a tied-embedding model a stored adapter holds its unembedding LoRA twice: on ``lm_head`` and, transposed, as
+    the embedding LoRA, so that loading it gives the trained model. To train it as the server does, the two must be
+    one pair of parameters: then the embedding copy is left out and the head's pair also adds its rows to the input
+    embeddings (a forward hook), so the one pair gets the gradient of both sides."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    if not (trainable and "embed_tokens" in config["target_modules"]):
+        return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    config["target_modules"] = [m for m in config["target_modules"] if m != "embed_tokens"]
+    config.pop("peft_type", None)
+    known = LoraConfig.__dataclass_fields__
+    model = get_peft_model(base, LoraConfig(**{k: v for k, v in config.items() if k in known}))
+    weights = {k: v for k, v in load_file(Path(adapter_dir) / "adapter_model.safetensors").items() if "embed" not in k}
+    assert not [k for k in set_peft_model_state_dict(model, weights).missing_keys if "lora_" in k]
+    head = model.base_model.model.get_output_embeddings()
+
+    def tied_input_side(module, inputs, output):
+        if head.disable_adapters:
+            return output
+        rows = torch.nn.functional.embedding(inputs[0], head.lora_B["default"].weight)
+        return output + rows @ head.lora_A["default"].weight * head.scaling["default"]
+
+    model.base_model.model.get_input_embeddings().register_forward_hook(tied_input_side)
+    return model
 
 
 def reference_logprobs(model, datum: types.Datum) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """tinker-cookbook's weight tools (``tinker_cookbook.weights``) against the real server, run in the recipe environment
 as a user runs them: ``download`` of a training checkpoint (which the cookbook exports through
 ``save_weights_external`` encrypted to an age key it generates, and decrypts), ``download`` of an export encrypted to
-the user's own age key, and ``build_hf_model``, whose merged model must score like the adapter applied with PEFT.
+the user's own age key, and ``build_hf_model``, whose merged model must score like the adapter applied with PEFT and
+like the server, on a model with tied embeddings and on one without.
 """
 
 from __future__ import annotations
@@ -78,26 +79,53 @@ def trained(server):
     client.close("success")
 
 
-def test_download_of_a_training_checkpoint_is_its_adapter(python, server, trained, tiny_model_dir, tmp_path):
-    """The cookbook exports the checkpoint encrypted to a fresh key, refuses any file of that export not named
-    ``….age``, decrypts each, and deletes the export: what arrives is the saved adapter, bit for bit."""
-    run, rest = trained
-    state = run.save_state("to-download").result().path
-    out = tmp_path / "adapter"
-    run_cookbook(python, server, DOWNLOAD, state, str(out))
+HOSTED_HEAD, STORED_HEAD = "base_model.model.model.unembed_tokens.", "base_model.model.lm_head."
 
-    assert sorted(p.name for p in out.iterdir()) == PLAIN_FILES
-    saved = load_file(checkpoint_dir(server.data_dir, state) / "adapter_model.safetensors")
-    downloaded = load_file(out / "adapter_model.safetensors")
-    assert downloaded.keys() == saved.keys() and all(torch.equal(downloaded[k], saved[k]) for k in saved)
-    model = reference_peft_model(tiny_model_dir, out)
+
+def hosted_names(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What hosted Tinker exports for a stored (PEFT-named) adapter: the unembedding LoRA once, as
+    ``model.unembed_tokens``, without the copy a tied model's stored adapter keeps on the embedding."""
+    return {k.replace(STORED_HEAD, HOSTED_HEAD): v for k, v in stored.items() if ".embed_tokens." not in k}
+
+
+def check_download_and_merge(python, server, run, base_dir: Path, tmp_path: Path) -> None:
+    """The cookbook downloads a training checkpoint (an export encrypted to a fresh key, decrypted, the export
+    deleted) and gets the saved adapter in hosted Tinker's naming; ``build_hf_model`` merges it into a model whose
+    logits are those of the stored adapter applied by PEFT, and of the server's own forward pass."""
+    state = run.save_state("to-merge").result().path
+    adapter, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    run_cookbook(python, server, DOWNLOAD, state, str(adapter))
+    assert sorted(p.name for p in adapter.iterdir()) == PLAIN_FILES
+    stored = load_file(checkpoint_dir(server.data_dir, state) / "adapter_model.safetensors")
+    downloaded = load_file(adapter / "adapter_model.safetensors")
+    expected_tensors = hosted_names(stored)
+    assert downloaded.keys() == expected_tensors.keys()
+    assert all(torch.equal(downloaded[k], expected_tensors[k]) for k in downloaded)
+    assert downloaded[f"{HOSTED_HEAD}lora_B.weight"].abs().max() > 1e-3  # the unembedding LoRA was trained
+    run_cookbook(python, server, BUILD, str(base_dir), str(adapter), str(merged_dir))
+
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 40, 90, 300]])
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
+    reference = reference_peft_model(base_dir, checkpoint_dir(server.data_dir, state))
     with torch.no_grad():
-        expected = reference_logprobs(model, DATUM).numpy()
-        with model.disable_adapter():
-            base = reference_logprobs(model, DATUM).numpy()
-    served = forward_logprobs(run, DATUM)
-    np.testing.assert_allclose(served, expected, atol=1e-4)
-    assert np.abs(served - base).max() > 1e-3  # the trained adapter, not a no-op
+        expected = reference(input_ids=tokens).logits
+        with reference.disable_adapter():
+            base = reference(input_ids=tokens).logits
+        got = merged(input_ids=tokens).logits
+        merged_logprobs = reference_logprobs(merged, DATUM).numpy()
+    assert (expected - base).abs().max() > 1e-2  # the adapter moves the logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(forward_logprobs(run, DATUM), merged_logprobs, atol=1e-4)
+
+
+def test_a_tied_model_s_checkpoint_downloads_and_merges_into_the_trained_model(python, server, trained,
+                                                                               tiny_model_dir, tmp_path):
+    """The tiny model ties its input embedding to its output head; the unembedding LoRA changes that one matrix, and
+    the cookbook merges hosted Tinker's ``unembed_tokens`` into it — which must give the model the server trained."""
+    run, rest = trained
+    check_download_and_merge(python, server, run, tiny_model_dir, tmp_path)
     kinds = {c.checkpoint_type for c in rest.list_user_checkpoints(limit=1000).result().checkpoints}
     assert "external" not in kinds  # the temporary export was deleted
 
@@ -170,27 +198,12 @@ def untied_server(model_cache, untied_model, tmp_path_factory):
     running.stop()
 
 
-def test_build_hf_model_on_an_untied_model_scores_like_the_adapter(python, untied_server, untied_model, tmp_path):
-    """Downloaded and merged by the cookbook, the adapter (LoRA on the output head included) gives the logits of the
-    base model with the adapter applied by PEFT."""
+def test_an_untied_model_s_checkpoint_downloads_and_merges_into_the_trained_model(python, untied_server,
+                                                                                   untied_model, tmp_path):
+    """With an output head of its own, the merge puts ``unembed_tokens`` into ``lm_head`` and leaves the input
+    embedding as it was."""
     client, run = trained_run(untied_server, str(untied_model))
-    state = run.save_state("to-merge").result().path
-    client.close("success")
-    adapter, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    run_cookbook(python, untied_server, DOWNLOAD, state, str(adapter))
-    head = load_file(adapter / "adapter_model.safetensors")["base_model.model.lm_head.lora_B.weight"]
-    assert head.abs().max() > 1e-3  # the output head's LoRA was trained, so the merge has to place it
-    run_cookbook(python, untied_server, BUILD, str(untied_model), str(adapter), str(merged_dir))
-
-    from transformers import AutoModelForCausalLM
-
-    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 40, 90, 300]])
-    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
-    reference = reference_peft_model(untied_model, adapter)
-    with torch.no_grad():
-        expected = reference(input_ids=tokens).logits
-        with reference.disable_adapter():
-            base = reference(input_ids=tokens).logits
-        got = merged(input_ids=tokens).logits
-    assert (expected - base).abs().max() > 1e-2  # the adapter moves the logits
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    try:
+        check_download_and_merge(python, untied_server, run, untied_model, tmp_path)
+    finally:
+        client.close("success")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from safetensors.torch import load_file, save_file
 from tinker import types
 
 from tests.helpers import (
@@ -143,7 +144,9 @@ def test_checkpoints_expire_and_ttls_are_checked(tenant, server):
 
 
 def test_download_round_trip_gives_the_same_logprobs(tenant, tiny_model_dir, other, tmp_path):
-    """Signed URLs → plain HTTP → a PEFT directory that loads on the base model and scores like the server."""
+    """Signed URLs → plain HTTP → the exported adapter (hosted Tinker's naming: the unembedding LoRA as
+    ``model.unembed_tokens``, which tinker-cookbook's merge reads; test_cookbook_weights merges it), whose tensors put
+    back in PEFT's naming load on the base model and score like the server."""
     client, runs, _, _ = tenant
     exported = runs[0].save_weights_external("export").result().path
     assert exported.endswith("/external_weights/export")
@@ -155,7 +158,23 @@ def test_download_round_trip_gives_the_same_logprobs(tenant, tiny_model_dir, oth
         fetched = httpx.get(url)  # no API key: the signature is the permission
         assert fetched.status_code == 200
         (target / name).write_bytes(fetched.content)
-    model = reference_peft_model(tiny_model_dir, target)
+    weights = load_file(target / "adapter_model.safetensors")
+    assert "base_model.model.model.unembed_tokens.lora_A.weight" in weights and not any(
+        "lm_head" in k or ".embed_tokens." in k for k in weights)
+    config = json.loads((target / "adapter_config.json").read_text())
+    assert "unembed_tokens" in config["target_modules"]
+    # PEFT's naming, by hand: the head's LoRA, and on this tied model the same numbers as the embedding's LoRA.
+    head_a, head_b = (weights.pop(f"base_model.model.model.unembed_tokens.lora_{x}.weight") for x in "AB")
+    weights |= {"base_model.model.lm_head.lora_A.weight": head_a, "base_model.model.lm_head.lora_B.weight": head_b,
+                "base_model.model.model.embed_tokens.lora_embedding_A": head_b.T.contiguous(),
+                "base_model.model.model.embed_tokens.lora_embedding_B": head_a.T.contiguous()}
+    config["target_modules"] = [m for m in config["target_modules"] if m != "unembed_tokens"] + ["lm_head",
+                                                                                                  "embed_tokens"]
+    peft_dir = tmp_path / "as-peft"
+    peft_dir.mkdir()
+    save_file(weights, peft_dir / "adapter_model.safetensors")
+    (peft_dir / "adapter_config.json").write_text(json.dumps(config))
+    model = reference_peft_model(tiny_model_dir, peft_dir)
     datum = make_datum([1, 2, 3], [4, 5])
     with torch.no_grad():
         expected = reference_logprobs(model, datum).numpy()

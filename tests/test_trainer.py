@@ -120,3 +120,48 @@ def test_the_adapter_limit_is_a_clear_user_error(tiny_model_dir):
         trainer.create("three", LoraSpec(rank=2, seed=0))
     trainer.unload("one")
     trainer.create("three", LoraSpec(rank=2, seed=0))
+
+
+def test_a_tied_models_unembedding_lora_changes_the_one_shared_matrix(tiny_model_dir, tmp_path):
+    """The tiny model embeds and unembeds with one matrix W. An adapter with LoRA on the unembedding only must be the
+    model whose shared matrix is W + scale·B·A (an independent reference: plain transformers, no PEFT); its stored
+    directory gives that model under PEFT, and its export (hosted Tinker's names) loads back to the same numbers."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    trainer = MultiLoRATrainer(str(tiny_model_dir))
+    assert trainer.tied
+    trainer.create("u", LoraSpec(rank=4, seed=9, train_attn=False, train_mlp=False))
+    for _ in range(3):
+        trainer.forward_backward("u", [DATUM], "cross_entropy", {}, False)
+        trainer.optim_step("u", AdamHyper(learning_rate=1e-2))
+    served = logprobs(trainer, "u")
+    trainer.save_for_sampler("u", str(tmp_path / "stored"))
+    trainer.save_for_export("u", str(tmp_path / "exported"))
+
+    stored = load_file(tmp_path / "stored" / "adapter_model.safetensors")
+    a, b = stored["base_model.model.lm_head.lora_A.weight"], stored["base_model.model.lm_head.lora_B.weight"]
+    assert b.abs().max() > 1e-3
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight += 32 / 4 * b @ a  # LORA_ALPHA / rank
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        tokens = torch.tensor([DATUM.tokens])
+        targets = torch.tensor(DATUM.loss_fn_inputs["target_tokens"])[:, None]
+
+        def score(m):
+            return torch.log_softmax(m(input_ids=tokens).logits[0], -1).gather(1, targets)[:, 0].numpy()
+
+        np.testing.assert_allclose(served, score(model), atol=1e-5, rtol=0)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        assert np.abs(served - score(base)).max() > 1e-2
+        np.testing.assert_allclose(served, score(PeftModel.from_pretrained(base, str(tmp_path / "stored"))),
+                                   atol=1e-5, rtol=0)
+
+    exported = load_file(tmp_path / "exported" / "adapter_model.safetensors")
+    assert sorted(exported) == ["base_model.model.model.unembed_tokens.lora_A.weight",
+                                "base_model.model.model.unembed_tokens.lora_B.weight"]
+    trainer.load_state("back", str(tmp_path / "exported"), with_optimizer=False)
+    np.testing.assert_array_equal(logprobs(trainer, "back"), served)
