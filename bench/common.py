@@ -13,10 +13,12 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 SHAPES = {
-    # Qwen3 architectures (random init is enough for throughput): hidden, layers, heads, kv heads, intermediate.
-    "qwen3-0.6b": (1024, 28, 16, 8, 3072),
-    "qwen3-4b": (2560, 36, 32, 8, 9728),
-    "qwen3-8b": (4096, 36, 32, 8, 12288),
+    # Qwen3 architectures (random init is enough for throughput): hidden, layers, heads, kv heads, intermediate, vocab.
+    "qwen3-0.6b": (1024, 28, 16, 8, 3072, 151936),
+    "qwen3-4b": (2560, 36, 32, 8, 9728, 151936),
+    "qwen3-8b": (4096, 36, 32, 8, 12288, 151936),
+    "cpu-mid": (1024, 4, 16, 8, 3072, 32000),
+    # Big enough on a CPU that arithmetic, not Python, dominates a step; small enough to train here in seconds.
 }
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 """Dense bf16 peak per GPU, for MFU."""
@@ -43,8 +45,8 @@ def model_directory(shape: str) -> Path:
         return tiny
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hidden, layers, heads, kv_heads, intermediate = SHAPES[shape]
-    config = AutoConfig.for_model("qwen3", vocab_size=151936, hidden_size=hidden, num_hidden_layers=layers,
+    hidden, layers, heads, kv_heads, intermediate, vocab = SHAPES[shape]
+    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
                                   intermediate_size=intermediate, max_position_embeddings=32768,
                                   tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])

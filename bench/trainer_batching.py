@@ -1,19 +1,25 @@
-"""Trainer tokens/s at equal total tokens: one adapter, N adapters in one mixed batch, N adapters one after another.
+"""Trainer tokens/s for whole training steps (forward + backward + optimizer step) at equal total tokens: plain PEFT
+on one adapter (the script a user moves here from), this trainer with one adapter, N adapters in one mixed batch,
+and N adapters one after another. Ratios are against plain PEFT and against one adapter, measured in the same run.
 
-    python -m bench.trainer_batching [--shape tiny|qwen3-0.6b|qwen3-4b|qwen3-8b] [--adapters 8] [--rows 2]
-                                     [--length 128] [--rank 32] [--repeats 5]
+    python -m bench.trainer_batching [--shape tiny|cpu-mid|qwen3-0.6b|qwen3-4b|qwen3-8b] [--adapters 8]
+                                     [--rows 2] [--length 128] [--rank 32] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import numpy as np
+import torch
 
-from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
+from adapters.trainer import LORA_ALPHA, AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
 from bench.common import mfu, model_directory, non_embedding_params, write
 from shims.training_wire import DatumArrays
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
 def main() -> None:
@@ -42,22 +48,27 @@ def main() -> None:
     per_adapter = [[datum() for _ in range(args.rows)] for _ in ids]
     everything = [d for rows in per_adapter for d in rows]
     total_tokens = len(everything) * args.length
+    adam = AdamHyper(learning_rate=1e-5)
 
     def one_adapter() -> None:
         trainer.forward_backward(ids[0], everything, "cross_entropy", {}, False)
+        trainer.optim_step(ids[0], adam)
 
     def mixed() -> None:
         trainer.forward_backward_batch([StepRequest(m, rows, "cross_entropy", {}, False)
                                         for m, rows in zip(ids, per_adapter, strict=True)])
+        for m in ids:
+            trainer.optim_step(m, adam)
 
     def sequential() -> None:
         for m, rows in zip(ids, per_adapter, strict=True):
             trainer.forward_backward(m, rows, "cross_entropy", {}, False)
+            trainer.optim_step(m, adam)
 
     params = non_embedding_params(directory)
     rows = []
-    for name, step in (("1 adapter", one_adapter), (f"{args.adapters} adapters, one mixed batch", mixed),
-                       (f"{args.adapters} adapters, one after another", sequential)):
+
+    def measure(name: str, step: Callable[[], None]) -> None:
         step()  # warm-up
         seconds = []
         for _ in range(args.repeats):
@@ -65,29 +76,60 @@ def main() -> None:
             step()
             _sync()
             seconds.append(time.perf_counter() - started)
-            for m in ids:
-                trainer.adapters[m].optimizer.zero_grad(set_to_none=True)
         best = float(np.median(seconds))
         rate = total_tokens / best
         rows.append({"workload": name, "tokens_per_step": total_tokens, "seconds_per_step": best,
                      "tokens_per_second": rate, "mfu": mfu(params, rate), "peak_gb": _peak_gb()})
-    trainer.optim_step(ids[0], AdamHyper())
-    single = rows[0]["tokens_per_second"]
+
+    measure("plain PEFT, 1 adapter", plain_peft_step(str(directory), everything, args.rank, trainer.device))
+    measure("this trainer, 1 adapter", one_adapter)
+    measure(f"this trainer, {args.adapters} adapters, one mixed batch", mixed)
+    measure(f"this trainer, {args.adapters} adapters, one after another", sequential)
+    peft, single = rows[0]["tokens_per_second"], rows[1]["tokens_per_second"]
     for row in rows:
+        row["relative_to_plain_peft"] = row["tokens_per_second"] / peft
         row["relative_to_1_adapter"] = row["tokens_per_second"] / single
-    write("trainer_batching", vars(args), rows)
+    write(f"trainer_batching-{args.shape}", vars(args), rows)
+
+
+def plain_peft_step(location: str, data: list[DatumArrays], rank: int, device: torch.device) -> Callable[[], None]:
+    """The baseline: what a PEFT user writes for the same step — one padded batch through ``get_peft_model`` (same
+    rank, alpha, target modules), full logits, weighted token logprobs, backward, ``torch.optim.AdamW`` (its default
+    implementation for the device)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(device)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=LORA_ALPHA, target_modules=TARGETS))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    longest = max(d.tokens.size for d in data)
+    ids = torch.zeros((len(data), longest), dtype=torch.long)
+    mask, targets = torch.zeros_like(ids), torch.zeros_like(ids)
+    weights = torch.zeros((len(data), longest))
+    for i, d in enumerate(data):
+        n = d.tokens.size
+        ids[i, :n], mask[i, :n] = torch.as_tensor(d.tokens), 1
+        targets[i, :n] = torch.as_tensor(d.loss_fn_inputs["target_tokens"])
+        weights[i, :n] = torch.as_tensor(d.loss_fn_inputs["weights"])
+    ids, mask, targets, weights = (t.to(device) for t in (ids, mask, targets, weights))
+
+    def step() -> None:
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(2, targets[..., None])[..., 0]
+        (-(logprobs * weights).sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def _sync() -> None:
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def _peak_gb() -> float | None:
-    import torch
-
     return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
 
 

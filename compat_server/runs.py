@@ -19,7 +19,7 @@ from urllib.parse import quote
 from litestar.exceptions import PermissionDeniedException
 from tinker import types
 
-from adapters.trainer import read_lora_spec
+from adapters.trainer_types import read_lora_spec
 from compat_server.checkpoints import CheckpointStore, parse_path, tinker_path
 from compat_server.downloads import DownloadGrant, UrlSigner
 from compat_server.records import Records

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, StatusCode
 
-from adapters.trainer import StepRequest, StepResult
 from adapters.trainer_pool import TrainerPool
+from adapters.trainer_types import StepRequest, StepResult
 from compat_server.futures import FutureHub, Payload
 from compat_server.telemetry import ids, tracer
 from shims.errors import UserError

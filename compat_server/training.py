@@ -14,7 +14,7 @@ from dataclasses import asdict
 from tinker import types
 from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 
-from adapters.trainer import AdamHyper, DimuonHyper, LoraSpec, StepRequest
+from adapters.trainer_types import AdamHyper, DimuonHyper, LoraSpec, StepRequest
 from compat_server.futures import PROTOBUF, Payload
 from compat_server.telemetry import TOKENS_TRAINED
 from compat_server.training_checkpoints import CheckpointCalls

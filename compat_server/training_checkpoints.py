@@ -14,7 +14,7 @@ from tinker import types
 
 from adapters.adapter_files import read_saved_step
 from adapters.disk import DiskFull
-from adapters.trainer import LoraSpec, read_lora_spec
+from adapters.trainer_types import LoraSpec, read_lora_spec
 from compat_server.checkpoints import parse_path, tinker_path
 from compat_server.encryption import encrypt_directory, parse_recipients
 from compat_server.futures import Payload

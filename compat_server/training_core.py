@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from tinker import types
 
 from adapters.base_models import BaseModelSpec
-from adapters.trainer import MAX_LORA_RANK
+from adapters.trainer_types import MAX_LORA_RANK
 from compat_server.checkpoints import CheckpointStore
 from compat_server.custom_losses import CustomLossStore
 from compat_server.futures import JSON, Payload

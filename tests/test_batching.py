@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from adapters.batching import Coalescer
-from adapters.trainer import StepRequest
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
+from adapters.trainer_types import StepRequest
 from shims.errors import UserError
 from shims.training_wire import DatumArrays
 
