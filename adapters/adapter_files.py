@@ -73,3 +73,15 @@ def read_saved_step(directory: Path) -> int | None:
     """The optimizer step a training checkpoint was saved at (None for sampler weights, which have no state)."""
     state_file = directory / TRAINER_STATE
     return int(json.loads(state_file.read_text())["step"]) if state_file.exists() else None
+
+
+def read_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], float]:
+    """A saved adapter's tensors in the trainer's naming (``for_loading``) and its LoRA scale (alpha / r). PEFT
+    variants that scale or shape LoRA differently are refused rather than applied wrongly."""
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    unsupported = [key for key in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(key)]
+    if unsupported:
+        raise ValueError(f"adapter_config.json sets {', '.join(unsupported)}, which this sampler does not apply")
+    return for_loading(load_file(str(directory / ADAPTER_WEIGHTS))), float(config["lora_alpha"]) / int(config["r"])

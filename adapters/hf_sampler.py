@@ -1,8 +1,9 @@
 """The transformers sampler: the CPU default (and GPU fallback) behind the sampler interface.
 
 Concurrent requests are not run one by one: every request that is waiting when the model becomes free joins one
-batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter (PEFT's mixed-adapter forward),
-its own sampling parameters and its own random generator. The batch is prefilled together, left-padded, and decoded
+batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter,
+its own sampling parameters and its own random generator. Adapters run through ``adapters.lora`` (the trainer's
+LoRA execution): requests are ordered by adapter so each adapter's rows are one slice of the batch. The batch is prefilled together, left-padded, and decoded
 step by step with a shared KV cache; rows that finish leave the cache at once.
 """
 
@@ -12,22 +13,23 @@ import asyncio
 import logging
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from adapters.adapter_files import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, read_adapter
 from adapters.base_models import resolve_dtype
 from adapters.batching import Coalescer
+from adapters.lora import LoRALinear, Router, install, with_tied_input_side, wrap_linears
 from adapters.sampler import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
 from shims.sampling_math import SeededStream, StopMatcher, choose_token, score_prompt, sequence_streams, top_k
 from shims.sampling_wire import SampleJob, SampleResult, SequenceResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
-
-BASE = "__base__"
-"""PEFT's name for "no adapter" in a mixed-adapter batch."""
 
 PROMPT_LOGITS_BUDGET = 1 << 28
 """Most logit cells (rows × prompt length × vocabulary; 1 GiB in fp32) one batch may materialise to score prompts:
@@ -49,7 +51,8 @@ class _Row:
     request: int
     index: int
     """Which of its request's samples this row is."""
-    adapter_name: str
+    adapter_name: str | None
+    """The adapter's slot name, None for the base model."""
     stream: SeededStream
     matcher: StopMatcher
     tokens: list[int] = field(default_factory=list)
@@ -59,7 +62,7 @@ class _Row:
 
 
 class TransformersSampler:
-    """One base model in transformers, sampled with any number of PEFT adapters."""
+    """One base model in transformers, sampled with any number of LoRA adapters (standard PEFT directories)."""
 
     def __init__(self, location: str, max_batch_sequences: int = 32, max_resident: int = 8,
                  threads: int | None = None, dtype: str = "auto", max_model_len: int | None = None) -> None:
@@ -74,6 +77,11 @@ class TransformersSampler:
         dtype = getattr(torch, resolve_dtype(dtype, self.device.type, location))
         self.tokenizer = AutoTokenizer.from_pretrained(location)
         self.base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device).eval()
+        self.base.requires_grad_(False)
+        self.tied = self.base.get_output_embeddings().weight is self.base.get_input_embeddings().weight
+        self.router = Router()
+        self.layers = wrap_linears(self.base, {*ATTN_MODULES, *MLP_MODULES, *UNEMBED_MODULES}, self.router)
+        self.head: LoRALinear = self.base.get_output_embeddings()
         config = self.base.config
         eos = self.base.generation_config.eos_token_id if self.base.generation_config else None
         if eos is None:
@@ -86,9 +94,9 @@ class TransformersSampler:
             device=str(self.device), max_resident=max_resident, dtype=str(dtype).removeprefix("torch."))
         self.max_batch_sequences = max_batch_sequences
         self.adapters = ResidentAdapters(max_resident)
-        self.peft = None
         self.dead: str | None = None
         """Never set: the transformers sampler has no separate engine that could die under it."""
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-sampler")
         self._batches = Coalescer(self._run_in_thread, self._batch_size)
         self.batches = 0
         self.decoded_tokens = 0
@@ -106,6 +114,7 @@ class TransformersSampler:
     async def close(self) -> None:
         """Stop batching (requests still waiting fail as cancelled)."""
         await self._batches.close()
+        self._thread.shutdown(wait=False)
 
     # ---- request intake -------------------------------------------------------------------------------------------
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
@@ -119,7 +128,10 @@ class TransformersSampler:
             raise
 
     async def _run_in_thread(self, batch: list[_Request]) -> list[SampleResult | Exception]:
-        return await asyncio.to_thread(self._run_batch, batch)
+        """Every batch on the one same thread: torch's CPU thread pool belongs to the thread that calls it, and the
+        pools left behind on other threads (``asyncio.to_thread`` picks any) keep spinning after their work, taking
+        the cores from the pool at work (measured: each batch ~2× slower on 2 cores)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._run_batch, batch)
 
     def _batch_size(self, pending: list[_Request]) -> int:
         """How many of the oldest waiting requests fit one batch: up to ``max_batch_sequences`` rows, at most as many
@@ -141,31 +153,26 @@ class TransformersSampler:
 
     # ---- adapters -------------------------------------------------------------------------------------------------
     def _acquire(self, ref: AdapterRef) -> tuple[str, int]:
-        """Make ``ref`` resident (loading it if needed, then unloading what the LRU evicts); returns its PEFT name
+        """Make ``ref`` resident (loading it if needed, then unloading what the LRU evicts); returns its slot name
         and slot id."""
-        from peft import PeftModel
-
         slot = self.adapters.acquire(ref)
         name = f"slot_{slot.slot_id}"
         if slot.load:
             try:
-                if self.peft is None:
-                    self.peft = PeftModel.from_pretrained(self.base, ref.directory, adapter_name=name).eval()
-                else:
-                    self.peft.load_adapter(ref.directory, adapter_name=name)
-                    self.peft.eval()
+                tensors, scaling = read_adapter(Path(ref.directory))
+                install(self.layers, name, tensors, scaling, prefix="base_model.model.")
             except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
                 self.adapters.forget(ref.key, slot.slot_id)
                 raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None
             log.info("adapter loaded into sampler: %s (%s)", ref.key, name,
                      extra={"event": "adapter_loaded", "adapter": ref.key, "slot": name})
         self._unload(slot.evicted)
-        self.peft.set_adapter(name)  # some adapter must stay active; mixed batches name their own per row
         return name, slot.slot_id
 
     def _unload(self, slot_ids) -> None:
         for slot_id in slot_ids:
-            self.peft.delete_adapter(f"slot_{slot_id}")
+            for layer in self.layers.values():
+                layer.remove(f"slot_{slot_id}")
             log.info("adapter evicted from sampler: slot_%d", slot_id,
                      extra={"event": "adapter_evicted", "slot": f"slot_{slot_id}"})
 
@@ -180,7 +187,7 @@ class TransformersSampler:
                 ref = request.adapter
                 if ref is None:
                     runnable.append(i)
-                    names.append(BASE)
+                    names.append(None)
                     continue
                 try:
                     name, slot_id = self._acquire(ref)
@@ -191,6 +198,8 @@ class TransformersSampler:
                 runnable.append(i)
                 names.append(name)
             if runnable:
+                order = sorted(range(len(runnable)), key=lambda k: names[k] or "")  # each adapter's rows: one slice
+                runnable, names = [runnable[k] for k in order], [names[k] for k in order]
                 with torch.inference_mode():
                     results = self._generate([requests[i] for i in runnable], names)
                 for i, result in zip(runnable, results):
@@ -201,10 +210,12 @@ class TransformersSampler:
         self.batches += 1
         return outcomes
 
-    def _forward(self, adapter_names: list[str], **kwargs):
-        if self.peft is None:
-            return self.base(**kwargs)
-        return self.peft(adapter_names=adapter_names, **kwargs)
+    def _forward(self, adapter_names: list[str | None], input_ids: torch.Tensor, **kwargs):
+        with self.router.routing(adapter_names):
+            embeds = self.base.get_input_embeddings()(input_ids)
+            if self.tied:
+                embeds = with_tied_input_side(embeds, input_ids, self.head, adapter_names)
+            return self.base(inputs_embeds=embeds, **kwargs)
 
     def _generate(self, requests: list[_Request], names: list[str]) -> list[SampleResult]:
         rows: list[_Row] = []

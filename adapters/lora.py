@@ -67,6 +67,9 @@ class LoRALinear(nn.Module):
         self.lora_a = nn.ParameterDict()
         self.lora_b = nn.ParameterDict()
         self.scaling: dict[str, float] = {}
+        self._pairs: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
+        """The same parameters as ``lora_a`` / ``lora_b``, looked up without ``nn.Module`` attribute machinery (the
+        lookup ran per adapter, layer and decoding step)."""
 
     @property
     def weight(self) -> torch.Tensor:
@@ -83,15 +86,26 @@ class LoRALinear(nn.Module):
         self.lora_a[name] = nn.Parameter(a.to(device))
         self.lora_b[name] = nn.Parameter(torch.zeros(self.base.out_features, rank, device=device))
         self.scaling[name] = scaling
+        self._pairs[name] = (self.lora_a[name], self.lora_b[name])
+
+    def put(self, name: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Install an adapter with given matrices (a sampler loading a saved adapter; no gradient)."""
+        device = self.base.weight.device
+        self.lora_a[name] = nn.Parameter(a.to(device, torch.float32), requires_grad=False)
+        self.lora_b[name] = nn.Parameter(b.to(device, torch.float32), requires_grad=False)
+        self.scaling[name] = scaling
+        self._pairs[name] = (self.lora_a[name], self.lora_b[name])
 
     def remove(self, name: str) -> None:
         if name in self.scaling:
-            del self.lora_a[name], self.lora_b[name], self.scaling[name]
+            del self.lora_a[name], self.lora_b[name], self.scaling[name], self._pairs[name]
 
     def delta(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """``name``'s contribution for inputs ``x``, whatever the routing."""
-        a, b = self.lora_a[name], self.lora_b[name]
-        return (x @ a.t().to(x.dtype)) @ b.t().to(x.dtype) * self.scaling[name]
+        a, b = self._pairs[name]
+        if a.dtype != x.dtype:
+            a, b = a.to(x.dtype), b.to(x.dtype)
+        return nn.functional.linear(nn.functional.linear(x, a), b) * self.scaling[name]
 
     def with_adapter(self, x: torch.Tensor, name: str | None) -> torch.Tensor:
         """The layer's output for ``x`` through adapter ``name`` (or the base), independent of the routing — for
@@ -109,6 +123,41 @@ class LoRALinear(nn.Module):
         parts = [y[lo:hi] + self.delta(x[lo:hi], name) if name in self.scaling else y[lo:hi]
                  for name, lo, hi in routing.groups]
         return torch.cat(parts)
+
+
+def with_tied_input_side(embeds: torch.Tensor, ids: torch.Tensor, head: LoRALinear,
+                         names: list[str | None] | None) -> torch.Tensor:
+    """Input embeddings of a tied model (one matrix embeds and unembeds), with each row's unembedding LoRA applied
+    to that shared matrix on the input side too: row ``t`` of scale·B·A is scale·B[t]·A, from the same parameters the
+    head uses (so training gives the one matrix one gradient). Rows sorted by adapter, as ``Routing.of`` wants."""
+    if names is None or not any(name in head.scaling for name in names):
+        return embeds
+    parts = []
+    for name, lo, hi in Routing.of(names).groups:
+        part = embeds[lo:hi]
+        if name in head.scaling:
+            rows = nn.functional.embedding(ids[lo:hi], head.lora_b[name])
+            part = part + (rows @ head.lora_a[name]).to(part.dtype) * head.scaling[name]
+        parts.append(part)
+    return torch.cat(parts)
+
+
+def install(layers: dict[str, LoRALinear], name: str, tensors: dict[str, torch.Tensor], scaling: float,
+            prefix: str) -> int:
+    """Put a saved adapter (``prefix + path + '.lora_A.weight'`` / ``'.lora_B.weight'``) into the layers it names;
+    returns how many layers it adapts. A tensor naming no adaptable layer is an error: it would be silently dropped."""
+    used = set()
+    for path, layer in layers.items():
+        a, b = (tensors.get(f"{prefix}{path}.lora_{x}.weight") for x in "AB")
+        if a is not None and b is not None:
+            layer.put(name, a, b, scaling)
+            used |= {f"{prefix}{path}.lora_A.weight", f"{prefix}{path}.lora_B.weight"}
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        for layer in layers.values():
+            layer.remove(name)
+        raise ValueError(f"{len(unknown)} tensors name no layer this sampler can adapt, e.g. {unknown[0]}")
+    return len(used) // 2
 
 
 def wrap_linears(model: nn.Module, leaf_names: set[str], router: Router) -> dict[str, LoRALinear]:

@@ -21,7 +21,7 @@ import torch
 from adapters.actors import ray_node
 from adapters.adapter_files import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
 from adapters.dimuon import Dimuon
-from adapters.lora import LoRALinear, Router, Routing, wrap_linears
+from adapters.lora import LoRALinear, Router, with_tied_input_side, wrap_linears
 from adapters.trainer_files import TrainerFiles
 from adapters.trainer_types import (
     LORA_ALPHA,
@@ -78,7 +78,7 @@ class MultiLoRATrainer(TrainerFiles):
             pid=os.getpid(), boot=uuid.uuid4().hex,
         )
         self.tied = self.base.get_output_embeddings().weight is self.base.get_input_embeddings().weight
-        """One matrix embeds tokens and unembeds them: an unembedding LoRA then acts on both sides (``_embed``)."""
+        """One matrix embeds tokens and unembeds them: an unembedding LoRA then acts on both sides."""
         self.router = Router()
         self.layers = wrap_linears(self.base, {*ATTN_MODULES, *MLP_MODULES, *UNEMBED_MODULES}, self.router)
         """Every layer a LoRA may target, by module path; each adapter is on the ones its spec names."""
@@ -232,25 +232,10 @@ class MultiLoRATrainer(TrainerFiles):
             mask[i, : d.tokens.size] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with self.router.routing(names):
-            embeds = self._embed(ids, names)
+            embeds = self.base.get_input_embeddings()(ids)
+            if self.tied:
+                embeds = with_tied_input_side(embeds, ids, self.head, names)
             return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
-
-    def _embed(self, ids: torch.Tensor, names: list[str] | None) -> torch.Tensor:
-        """Input embeddings. On a tied model the unembedding LoRA changes the shared matrix, so a row whose adapter
-        has one also gets its delta here: row ``t`` of scale·B·A is scale·B[t]·A, from the same parameters the head
-        uses (one gradient for the one matrix, as training it tied means)."""
-        embeds = self.base.get_input_embeddings()(ids)
-        head = self.head
-        if not self.tied or names is None or not any(name in head.scaling for name in names):
-            return embeds
-        parts = []
-        for name, lo, hi in Routing.of(names).groups:
-            part = embeds[lo:hi]
-            if name in head.scaling:
-                rows = torch.nn.functional.embedding(ids[lo:hi], head.lora_b[name])
-                part = part + (rows @ head.lora_a[name]).to(part.dtype) * head.scaling[name]
-            parts.append(part)
-        return torch.cat(parts)
 
     def _target_logprobs(self, hidden: torch.Tensor, name: str | None, targets: torch.Tensor) -> torch.Tensor:
         """Logprobs of ``targets`` (one per position, or ``[positions, k]``) from one datum's final hidden states,
