@@ -184,10 +184,10 @@ class MultiLoRATrainer(TrainerFiles):
                 first, row = row, row + len(request.data)
                 try:
                     for offset, d in enumerate(request.data):
-                        targets = torch.as_tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
+                        targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
                         target_logprobs = self._target_logprobs(hidden[first + offset, : d.tokens.size],
                                                                 adapter.name, targets)
-                        inputs = {k: torch.as_tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
+                        inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
                         total = total + (custom.datum(target_logprobs, inputs) if custom is not None else
                                          datum_loss(request.loss_fn, target_logprobs, inputs, config))
                         outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
@@ -228,7 +228,7 @@ class MultiLoRATrainer(TrainerFiles):
         ids = torch.zeros((len(data), longest), dtype=torch.long)
         mask = torch.zeros((len(data), longest), dtype=torch.long)
         for i, d in enumerate(data):
-            ids[i, : d.tokens.size] = torch.as_tensor(d.tokens)
+            ids[i, : d.tokens.size] = torch.tensor(d.tokens)
             mask[i, : d.tokens.size] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with self.router.routing(names):

@@ -105,8 +105,8 @@ def test_an_abandoned_sample_is_cancelled_on_the_server(server, tiny_model_dir):
     long = types.SamplingParams(max_tokens=2000, temperature=0.0)  # 2,000 tokens (test_openai_sdk's long request)
     before = settled_decoded_tokens(server)
     future = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=long)
-    with pytest.raises(TimeoutError):
-        future.result(timeout=1.0)
+    with pytest.raises(TimeoutError):  # the tiny model decodes ~1,200 tokens/s alone on CI's CPU
+        future.result(timeout=0.3)
     future.future().cancel()  # the caller gives up: cancelling the SDK's future cancels the operation
     owner = hashlib.sha256(key.encode()).hexdigest()
     deadline = time.monotonic() + 30
@@ -119,6 +119,6 @@ def test_an_abandoned_sample_is_cancelled_on_the_server(server, tiny_model_dir):
         time.sleep(0.2)
     assert rows[0][0] == "failed" and "cancelled" in rows[0][1], rows
     decoded = settled_decoded_tokens(server) - before
-    assert decoded < 1000, f"{decoded} of 2000 tokens were decoded for a sample cancelled after a second"
+    assert decoded < 1500, f"{decoded} of 2000 tokens were decoded for a sample cancelled after 0.3 s"
     again = sampler.sample(PROMPT, num_samples=1, sampling_params=SHORT).result(timeout=60)
     assert 1 <= len(again.sequences[0].tokens) <= 3
