@@ -33,11 +33,20 @@ HOSTED_UNEMBED = "unembed_tokens"
 """Hosted Tinker's module name for the unembedding LoRA in exported adapters."""
 EMBED_MODULE = "embed_tokens"
 
+PEFT_PREFIX = "base_model.model."
+"""PEFT's prefix for a module path in a saved adapter."""
+
+
+def lora_key(path: str, matrix: str) -> str:
+    """The saved name of LoRA matrix ``matrix`` ("A" or "B") of the layer at module path ``path``."""
+    return f"{PEFT_PREFIX}{path}.lora_{matrix}.weight"
+
+
 HEAD = "base_model.model.lm_head."
 HOSTED_HEAD = "base_model.model.model.unembed_tokens."
 EMBED = "base_model.model.model.embed_tokens."
 EMBED_A, EMBED_B = f"{EMBED}lora_embedding_A", f"{EMBED}lora_embedding_B"
-HEAD_A, HEAD_B = f"{HEAD}lora_A.weight", f"{HEAD}lora_B.weight"
+HEAD_A, HEAD_B = lora_key("lm_head", "A"), lora_key("lm_head", "B")
 
 
 def with_tied_input_side(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

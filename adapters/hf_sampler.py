@@ -1,10 +1,10 @@
 """The transformers sampler: the CPU default (and GPU fallback) behind the sampler interface.
 
 Concurrent requests are not run one by one: every request that is waiting when the model becomes free joins one
-batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter,
-its own sampling parameters and its own random generator. Adapters run through ``adapters.lora`` (the trainer's
-LoRA execution): requests are ordered by adapter so each adapter's rows are one slice of the batch. The batch is prefilled together, left-padded, and decoded
-step by step with a shared KV cache; rows that finish leave the cache at once.
+batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter, its own sampling parameters and
+its own random generator. Adapters run through ``adapters.lora`` (the trainer's LoRA execution): requests are ordered
+by adapter so each adapter's rows are one slice of the batch. The batch is prefilled together, left-padded, and
+decoded step by step with a shared KV cache; rows that finish leave the cache at once.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class TransformersSampler:
         if slot.load:
             try:
                 tensors, scaling = read_adapter(Path(ref.directory))
-                install(self.layers, name, tensors, scaling, prefix="base_model.model.")
+                install(self.layers, name, tensors, scaling)
             except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
                 self.adapters.forget(ref.key, slot.slot_id)
                 raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None
@@ -214,7 +214,7 @@ class TransformersSampler:
         with self.router.routing(adapter_names):
             embeds = self.base.get_input_embeddings()(input_ids)
             if self.tied:
-                embeds = with_tied_input_side(embeds, input_ids, self.head, adapter_names)
+                embeds = with_tied_input_side(embeds, input_ids, self.head)
             return self.base(inputs_embeds=embeds, **kwargs)
 
     def _generate(self, requests: list[_Request], names: list[str]) -> list[SampleResult]:

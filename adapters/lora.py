@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from adapters.adapter_files import lora_key
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -82,17 +84,14 @@ class LoRALinear(nn.Module):
         so a seed gives the same adapter on every device."""
         a = torch.empty(rank, self.base.in_features)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-        device = self.base.weight.device
-        self.lora_a[name] = nn.Parameter(a.to(device))
-        self.lora_b[name] = nn.Parameter(torch.zeros(self.base.out_features, rank, device=device))
-        self.scaling[name] = scaling
-        self._pairs[name] = (self.lora_a[name], self.lora_b[name])
+        self.put(name, a, torch.zeros(self.base.out_features, rank), scaling, trainable=True)
 
-    def put(self, name: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Install an adapter with given matrices (a sampler loading a saved adapter; no gradient)."""
+    def put(self, name: str, a: torch.Tensor, b: torch.Tensor, scaling: float, trainable: bool = False) -> None:
+        """Install an adapter with given matrices, as float32 parameters on the base layer's device (``trainable``
+        false: a sampler's adapter, which gets no gradient)."""
         device = self.base.weight.device
-        self.lora_a[name] = nn.Parameter(a.to(device, torch.float32), requires_grad=False)
-        self.lora_b[name] = nn.Parameter(b.to(device, torch.float32), requires_grad=False)
+        self.lora_a[name] = nn.Parameter(a.to(device, torch.float32), requires_grad=trainable)
+        self.lora_b[name] = nn.Parameter(b.to(device, torch.float32), requires_grad=trainable)
         self.scaling[name] = scaling
         self._pairs[name] = (self.lora_a[name], self.lora_b[name])
 
@@ -125,15 +124,15 @@ class LoRALinear(nn.Module):
         return torch.cat(parts)
 
 
-def with_tied_input_side(embeds: torch.Tensor, ids: torch.Tensor, head: LoRALinear,
-                         names: list[str | None] | None) -> torch.Tensor:
+def with_tied_input_side(embeds: torch.Tensor, ids: torch.Tensor, head: LoRALinear) -> torch.Tensor:
     """Input embeddings of a tied model (one matrix embeds and unembeds), with each row's unembedding LoRA applied
     to that shared matrix on the input side too: row ``t`` of scale·B·A is scale·B[t]·A, from the same parameters the
-    head uses (so training gives the one matrix one gradient). Rows sorted by adapter, as ``Routing.of`` wants."""
-    if names is None or not any(name in head.scaling for name in names):
+    head uses (so training gives the one matrix one gradient). Rows go by the routing the head's router holds."""
+    routing = head.router.current
+    if routing is None or not any(name in head.scaling for name, _, _ in routing.groups):
         return embeds
     parts = []
-    for name, lo, hi in Routing.of(names).groups:
+    for name, lo, hi in routing.groups:
         part = embeds[lo:hi]
         if name in head.scaling:
             rows = nn.functional.embedding(ids[lo:hi], head.lora_b[name])
@@ -142,22 +141,20 @@ def with_tied_input_side(embeds: torch.Tensor, ids: torch.Tensor, head: LoRALine
     return torch.cat(parts)
 
 
-def install(layers: dict[str, LoRALinear], name: str, tensors: dict[str, torch.Tensor], scaling: float,
-            prefix: str) -> int:
-    """Put a saved adapter (``prefix + path + '.lora_A.weight'`` / ``'.lora_B.weight'``) into the layers it names;
-    returns how many layers it adapts. A tensor naming no adaptable layer is an error: it would be silently dropped."""
+def install(layers: dict[str, LoRALinear], name: str, tensors: dict[str, torch.Tensor], scaling: float) -> None:
+    """Put a saved adapter (tensors named by ``adapter_files.lora_key``) into the layers it names. A tensor naming no
+    adaptable layer is an error: it would be silently dropped."""
     used = set()
     for path, layer in layers.items():
-        a, b = (tensors.get(f"{prefix}{path}.lora_{x}.weight") for x in "AB")
-        if a is not None and b is not None:
-            layer.put(name, a, b, scaling)
-            used |= {f"{prefix}{path}.lora_A.weight", f"{prefix}{path}.lora_B.weight"}
+        keys = lora_key(path, "A"), lora_key(path, "B")
+        if all(key in tensors for key in keys):
+            layer.put(name, tensors[keys[0]], tensors[keys[1]], scaling)
+            used.update(keys)
     unknown = sorted(set(tensors) - used)
     if unknown:
         for layer in layers.values():
             layer.remove(name)
         raise ValueError(f"{len(unknown)} tensors name no layer this sampler can adapt, e.g. {unknown[0]}")
-    return len(used) // 2
 
 
 def wrap_linears(model: nn.Module, leaf_names: set[str], router: Router) -> dict[str, LoRALinear]:

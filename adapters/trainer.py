@@ -234,7 +234,7 @@ class MultiLoRATrainer(TrainerFiles):
         with self.router.routing(names):
             embeds = self.base.get_input_embeddings()(ids)
             if self.tied:
-                embeds = with_tied_input_side(embeds, ids, self.head, names)
+                embeds = with_tied_input_side(embeds, ids, self.head)
             return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
 
     def _target_logprobs(self, hidden: torch.Tensor, name: str | None, targets: torch.Tensor) -> torch.Tensor:

@@ -11,17 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from adapters import adapter_files
-from adapters.adapter_files import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
+from adapters.adapter_files import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE, lora_key
 from adapters.disk import writing
 from adapters.trainer_types import LORA_ALPHA, LoraSpec, read_lora_spec
 from shims.errors import UserError
 
 if TYPE_CHECKING:
     from adapters.lora import LoRALinear
-
-PEFT_PREFIX = "base_model.model."
-"""PEFT's prefix for a module path in a saved adapter (``base_model.model.<path>.lora_A.weight``)."""
-
 
 class TrainerFiles:
     """Checkpoint methods of ``MultiLoRATrainer`` (which provides the attributes declared here)."""
@@ -43,7 +39,7 @@ class TrainerFiles:
 
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
         """An adapter's LoRA matrices under PEFT's names, on the CPU."""
-        return {f"{PEFT_PREFIX}{path}.lora_{x}.weight": params[name].detach().cpu()
+        return {lora_key(path, x): params[name].detach().cpu()
                 for path, layer in self.layers.items() if name in layer.scaling
                 for x, params in (("A", layer.lora_a), ("B", layer.lora_b))}
 
@@ -114,7 +110,7 @@ class TrainerFiles:
                 if name not in layer.scaling:
                     continue
                 for x, param in (("A", layer.lora_a[name]), ("B", layer.lora_b[name])):
-                    key = f"{PEFT_PREFIX}{path}.lora_{x}.weight"
+                    key = lora_key(path, x)
                     tensor = state.get(key)
                     if tensor is None:
                         missing.append(key)
