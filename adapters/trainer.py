@@ -23,14 +23,15 @@ from adapters.adapter_files import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
 from adapters.dimuon import Dimuon
 from adapters.lora import LoRALinear, Router, with_tied_input_side, wrap_linears
 from adapters.trainer_files import TrainerFiles
+from adapters.trainer_optim import TrainerOptim
 from adapters.trainer_types import (
     LORA_ALPHA,
     MAX_LORA_RANK,
-    OPTIMIZERS,
     AdamHyper,
     DimuonHyper,
     LoraSpec,
     ModelFacts,
+    OptimRequest,
     StepRequest,
     StepResult,
     read_lora_spec,
@@ -58,7 +59,7 @@ class _Adapter:
     step: int = 0
 
 
-class MultiLoRATrainer(TrainerFiles):
+class MultiLoRATrainer(TrainerFiles, TrainerOptim):
     """Holds one base model and the LoRA adapters of every training run on it."""
 
     def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64) -> None:
@@ -139,6 +140,20 @@ class MultiLoRATrainer(TrainerFiles):
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+    def run_batch(self, requests: list[StepRequest | OptimRequest]) -> list[StepResult | dict[str, float] | UserError]:
+        """What the trainer pool sends: any runs' optim steps and forward / forward_backward requests, each run at
+        most once, in one call (one Ray round trip). The optim steps go first: a run's next forward_backward cannot
+        be in the same call as its optim step, so the order between runs changes nothing."""
+        optims = [(i, r) for i, r in enumerate(requests) if isinstance(r, OptimRequest)]
+        steps = [(i, r) for i, r in enumerate(requests) if isinstance(r, StepRequest)]
+        outcomes: list = [None] * len(requests)
+        for (index, _), outcome in zip(optims, self.optim_steps([r for _, r in optims]), strict=True):
+            outcomes[index] = outcome
+        if steps:
+            for (index, _), outcome in zip(steps, self.forward_backward_batch([r for _, r in steps]), strict=True):
+                outcomes[index] = outcome
+        return outcomes
 
     def forward_backward_batch(self, requests: list[StepRequest]) -> list[StepResult | UserError]:
         """Run several requests — of any adapters, ranks and losses on this base model — as one mixed-adapter batch:
@@ -273,31 +288,3 @@ class MultiLoRATrainer(TrainerFiles):
         finally:
             if directory is not None:
                 self.unload(probe)
-
-    def optim_step(self, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
-        """Apply the accumulated gradient with the run's optimizer (AdamW with decoupled weight decay, or Dimuon),
-        then clear it."""
-        hyper.validate()
-        adapter = self._get(model_id)
-        if not isinstance(hyper, OPTIMIZERS[adapter.spec.optimizer]):
-            raise UserError(f"this training run uses the {adapter.spec.optimizer} optimizer (chosen when it was "
-                            f"created): send {'AdamParams' if adapter.spec.optimizer == 'adamw' else 'DimuonParams'}")
-        grads = [p for p in adapter.params if p.grad is not None]
-        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in grads])) if grads else 0.0
-        if not math.isfinite(grad_norm):
-            adapter.optimizer.zero_grad(set_to_none=True)
-            raise UserError(f"the accumulated gradient is not finite (norm {grad_norm}); it was discarded and the "
-                            "weights were not changed")
-        if hyper.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, hyper.grad_clip_norm,
-                                                 torch.tensor(grad_norm, device=grads[0].device))
-        for group in adapter.optimizer.param_groups:
-            if isinstance(hyper, AdamHyper):
-                group.update(lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
-                             weight_decay=hyper.weight_decay)
-            else:
-                group.update(lr=hyper.learning_rate, beta1=hyper.beta1)
-        adapter.optimizer.step()
-        adapter.optimizer.zero_grad(set_to_none=True)
-        adapter.step += 1
-        return {"grad_norm": grad_norm, "learning_rate": hyper.learning_rate, "step": float(adapter.step)}

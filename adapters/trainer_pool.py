@@ -13,6 +13,7 @@ from adapters.actors import ActorUnavailable, call_actor
 from adapters.base_models import BaseModelSpec
 from adapters.batching import Coalescer
 from adapters.trainer import ModelFacts, MultiLoRATrainer, StepRequest, StepResult
+from adapters.trainer_types import AdamHyper, DimuonHyper, OptimRequest
 from shims.errors import UserError
 
 log = logging.getLogger("compat_server.trainer")
@@ -32,17 +33,18 @@ class TrainerPlacement:
     """Most training runs (LoRA adapters) one base model's trainer holds at once."""
 
 
-def _tokens(request: StepRequest) -> int:
-    return sum(d.tokens.size for d in request.data)
+def _tokens(request: StepRequest | OptimRequest) -> int:
+    return sum(d.tokens.size for d in request.data) if isinstance(request, StepRequest) else 0
 
 
 class TrainerPool:
     """Starts and addresses the trainer actors. The scheduler is its only caller.
 
-    forward / forward_backward requests of different training runs on one base model that wait while that model's
-    trainer is busy go to it together, as one mixed-adapter batch (``MultiLoRATrainer.forward_backward_batch``).
-    Each run's own requests still arrive one at a time in seq_id order (the scheduler sees to that), so its
-    optim_step and load/save stay barriers for that run alone.
+    forward / forward_backward and optim_step requests of different training runs on one base model that wait while
+    that model's trainer is busy go to it together, in one call (``MultiLoRATrainer.run_batch``): the forward
+    passes as one mixed-adapter batch, the optimizer steps as one AdamW over all their parameters. Each run's own
+    requests still arrive one at a time in seq_id order (the scheduler sees to that), so its optim_step and
+    load/save stay barriers for that run alone.
     """
 
     def __init__(self, models: list[BaseModelSpec], placement: TrainerPlacement) -> None:
@@ -50,12 +52,13 @@ class TrainerPool:
         self.placement = placement
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.facts: dict[str, ModelFacts] = {}
-        self.batches: dict[str, Coalescer[StepRequest, StepResult]] = {}
+        self.batches: dict[str, Coalescer[StepRequest | OptimRequest, StepResult | dict[str, float]]] = {}
         self.on_restart: Callable[[str], Awaitable[None]] | None = None
         """Called with the base model's name once its trainer came back from a crash, empty."""
         self._checks: dict[str, asyncio.Task] = {}
         self.batch_counts: dict[str, dict[str, int]] = {}
-        """Per base model: batches run, requests in them, and the most requests one batch held (for the metrics)."""
+        """Per base model: batches holding forward / forward_backward requests, those requests, the most one batch
+        held, and optim steps (for the metrics)."""
 
     async def start(self) -> None:
         """Create every actor and wait until each has loaded its base model."""
@@ -68,7 +71,8 @@ class TrainerPool:
                 resources=self.placement.resources or None, name=None, max_restarts=-1, max_task_retries=0,
             ).remote(spec.location, self.placement.threads, self.placement.max_adapters)
             self.batches[name] = Coalescer(self._runner(name), self._admit)
-            self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0}
+            self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0, "optim_steps": 0,
+                                       "optim_calls": 0}
         facts = await asyncio.gather(*(self.actors[n].model_facts.remote() for n in self.models))
         self.facts = dict(zip(self.models, facts))
         for name, fact in self.facts.items():
@@ -76,15 +80,18 @@ class TrainerPool:
                      fact.vocab_size, fact.max_context, fact.device, fact.node[:12])
 
     def _runner(self, base_model: str):
-        async def run(requests: list[StepRequest]) -> list:
+        async def run(requests: list[StepRequest | OptimRequest]) -> list:
             counts = self.batch_counts[base_model]
-            counts["batches"] += 1
-            counts["requests"] += len(requests)
-            counts["max_requests_per_batch"] = max(counts["max_requests_per_batch"], len(requests))
-            return await self.call(base_model, "forward_backward_batch", requests)
+            steps = sum(isinstance(r, StepRequest) for r in requests)
+            counts["batches"] += steps > 0
+            counts["requests"] += steps
+            counts["max_requests_per_batch"] = max(counts["max_requests_per_batch"], steps)
+            counts["optim_steps"] += len(requests) - steps
+            counts["optim_calls"] += len(requests) > steps
+            return await self.call(base_model, "run_batch", requests)
         return run
 
-    def _admit(self, pending: list[StepRequest]) -> int:
+    def _admit(self, pending: list[StepRequest | OptimRequest]) -> int:
         count, tokens = 0, 0
         for request in pending:
             tokens += _tokens(request)
@@ -99,7 +106,11 @@ class TrainerPool:
         if tokens > self.placement.max_batch_tokens:
             raise UserError(f"this request holds {tokens} input tokens, more than one batch may (--max-batch-tokens "
                             f"{self.placement.max_batch_tokens}); send fewer or shorter datums per call")
-        return await self.batches[base_model].submit(request)
+        return await self.batches[base_model].submit(request)  # type: ignore[return-value]
+
+    async def optim_step(self, base_model: str, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
+        """Apply one run's accumulated gradient, together with whatever other runs' requests are waiting."""
+        return await self.batches[base_model].submit(OptimRequest(model_id, hyper))  # type: ignore[return-value]
 
     async def call(self, base_model: str, method: str, *args, **kwargs):
         """Run ``method`` on the base model's trainer; a ``UserError`` raised there is re-raised here as itself. If

@@ -123,6 +123,15 @@ class StepRequest:
     """For ``loss_fn="custom"``: the stored loss the request's ``loss_id`` names (``shims.custom_loss_graph``)."""
 
 
+@dataclass(frozen=True)
+class OptimRequest:
+    """One ``optim_step`` call, as the trainer receives it (possibly with other runs' optim steps and
+    forward_backward requests in the same call: ``MultiLoRATrainer.run_batch``)."""
+
+    model_id: str
+    hyper: AdamHyper | DimuonHyper
+
+
 @dataclass
 class StepResult:
     """The outcome of one forward / forward_backward call."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from adapters.trainer import LORA_ALPHA, AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
+from adapters.trainer_types import OptimRequest
 from bench.common import mfu, model_directory, non_embedding_params, write
 from shims.training_wire import DatumArrays
 
@@ -54,11 +55,10 @@ def main() -> None:
         trainer.forward_backward(ids[0], everything, "cross_entropy", {}, False)
         trainer.optim_step(ids[0], adam)
 
-    def mixed() -> None:
-        trainer.forward_backward_batch([StepRequest(m, rows, "cross_entropy", {}, False)
-                                        for m, rows in zip(ids, per_adapter, strict=True)])
-        for m in ids:
-            trainer.optim_step(m, adam)
+    def mixed() -> None:  # what the trainer pool sends when every run's request waits together
+        trainer.run_batch([StepRequest(m, rows, "cross_entropy", {}, False)
+                           for m, rows in zip(ids, per_adapter, strict=True)])
+        trainer.run_batch([OptimRequest(m, adam) for m in ids])
 
     def sequential() -> None:
         for m, rows in zip(ids, per_adapter, strict=True):

@@ -17,7 +17,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, StatusCode
 
 from adapters.trainer_pool import TrainerPool
-from adapters.trainer_types import StepRequest, StepResult
+from adapters.trainer_types import AdamHyper, DimuonHyper, StepRequest, StepResult
 from compat_server.futures import FutureHub, Payload
 from compat_server.telemetry import ids, tracer
 from shims.errors import UserError
@@ -178,6 +178,11 @@ class Scheduler:
         """A forward / forward_backward, batched with other runs' waiting requests on the same base model."""
         with tracer.start_as_current_span("trainer.forward_backward", attributes=ids(request.model_id)):
             return await self.trainers.forward_backward(base_model, request)
+
+    async def optim_step(self, base_model: str, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
+        """An optim_step, in one trainer call with other runs' waiting requests on the same base model."""
+        with tracer.start_as_current_span("trainer.optim_step", attributes=ids(model_id)):
+            return await self.trainers.optim_step(base_model, model_id, hyper)
 
     async def trainer(self, base_model: str, method: str, *args, **kwargs):
         """Call the base model's trainer actor."""

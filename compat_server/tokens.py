@@ -11,17 +11,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections import OrderedDict
 
 import jwt
 
 ALGORITHM = "HS256"
 ORG = "compat-server"
+VERIFIED_KEPT = 4096
+"""Tokens whose signature was verified, kept (most recently used first out last) so that each request does not
+verify the same token again; their expiry is still checked at every use."""
 
 
 class TokenIssuer:
     def __init__(self, signing_key: bytes, ttl_seconds: float) -> None:
         self._key = hmac.new(signing_key, b"sdk-token", hashlib.sha256).digest()
         self.ttl_seconds = ttl_seconds
+        self._verified: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """token → (tenant, expiry): a signature check of the same bytes under the same key cannot change."""
 
     def issue(self, owner: str, name: str) -> str:
         issued = int(time.time())
@@ -31,9 +37,21 @@ class TokenIssuer:
 
     def tenant(self, token: str) -> str | None:
         """The tenant a valid, unexpired token names; None for anything else."""
-        try:
-            claims = jwt.decode(token, self._key, algorithms=[ALGORITHM], options={"require": ["exp", "tenant"]})
-        except jwt.PyJWTError:
+        known = self._verified.get(token)
+        if known is None:
+            try:
+                claims = jwt.decode(token, self._key, algorithms=[ALGORITHM],
+                                    options={"require": ["exp", "tenant"], "verify_exp": False})
+            except jwt.PyJWTError:
+                return None
+            if not isinstance(claims["tenant"], str):
+                return None
+            known = self._verified[token] = (claims["tenant"], float(claims["exp"]))
+            if len(self._verified) > VERIFIED_KEPT:
+                self._verified.popitem(last=False)
+        tenant, expires = known
+        if time.time() >= expires:  # expired from its ``exp`` second on, as PyJWT would say
+            self._verified.pop(token, None)
             return None
-        tenant = claims.get("tenant")
-        return tenant if isinstance(tenant, str) else None
+        self._verified.move_to_end(token)
+        return tenant

@@ -53,7 +53,8 @@ class TrainingService(CheckpointCalls):
     """Tinker training calls for one server: create, train, save, load and unload LoRA models."""
 
     def metrics(self) -> dict:
-        """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches."""
+        """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches, and
+        how many optim steps, in how many trainer calls."""
         trainers = self.scheduler.trainers
         return {name: {**counts, "mean_requests_per_batch": counts["requests"] / counts["batches"] if counts["batches"]
                        else None, "node": trainers.facts[name].node, "pid": trainers.facts[name].pid}
@@ -164,7 +165,7 @@ class TrainingService(CheckpointCalls):
     def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
             hyper = optimizer_hyper(req.optim_params)
-            metrics = await self.scheduler.trainer(row["base_model"], "optim_step", req.model_id, hyper)
+            metrics = await self.scheduler.optim_step(row["base_model"], req.model_id, hyper)
             self._last_step[req.model_id] = int(metrics["step"])
             log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
                      hyper.learning_rate, metrics["grad_norm"],

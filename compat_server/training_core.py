@@ -70,7 +70,7 @@ class TrainingCore:
     def _ordered_row(self, owner: str, model_id: str) -> dict:
         """The run for a request in its turn: owned and active, and — once after a rollback — ``RolledBack``."""
         row = self._owned_model(owner, model_id)
-        notice = self.records.take_rollback_notice(model_id)
+        notice = self.records.take_rollback_notice(model_id) if row["rollback_unseen"] else None
         if notice is not None:
             raise RolledBack(notice)
         return row

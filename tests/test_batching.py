@@ -9,7 +9,7 @@ import pytest
 
 from adapters.batching import Coalescer
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
-from adapters.trainer_types import StepRequest
+from adapters.trainer_types import AdamHyper, OptimRequest, StepRequest
 from shims.errors import UserError
 from shims.training_wire import DatumArrays
 
@@ -64,5 +64,8 @@ def test_trainer_batches_admit_requests_up_to_the_token_budget():
     pool = TrainerPool([], TrainerPlacement(max_batch_tokens=100))
     assert pool._admit([_request(60), _request(30), _request(20)]) == 2
     assert pool._admit([_request(100), _request(1)]) == 1
+    step = OptimRequest("other-run", AdamHyper())  # optim steps join any call: they hold no tokens
+    assert pool._admit([_request(60), step, _request(30), step, _request(20)]) == 4
+    assert pool._admit([step, _request(100), step]) == 3
     with pytest.raises(UserError, match="101 input tokens.*--max-batch-tokens 100"):
         asyncio.run(pool.forward_backward("base", _request(101)))

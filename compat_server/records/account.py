@@ -17,7 +17,7 @@ class AccountRecords(RecordsBase):
     # ---- audit log ------------------------------------------------------------------------------------------------
     def audit(self, owner: str, event: str, **details: Any) -> None:
         """Record one of ``owner``'s actions as ``<resource>_<action>`` with what it was about."""
-        self.db["audit"].insert({"owner": owner, "at": now(), "event": event, "details": json.dumps(details)})
+        self._insert("audit", {"owner": owner, "at": now(), "event": event, "details": json.dumps(details)})
 
     def note_key_use(self, owner: str) -> None:
         """``apikey_use``, once per key per UTC day (every request would flood the log)."""
@@ -41,7 +41,7 @@ class AccountRecords(RecordsBase):
         return None if row is None else row[0]
 
     def set_session_project(self, session_id: str, project_id: str) -> None:
-        self.db["sessions"].update(session_id, {"project_id": project_id})
+        self._update("sessions", session_id, {"project_id": project_id})
 
     def search_sessions(self, owner: str, *, before: tuple[str, str] | None, limit: int) -> list[dict]:
         """The owner's sessions newest first, after the page cursor ``(created, id)``; filters are applied by the

@@ -8,9 +8,9 @@ import sqlite3
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import sqlite_utils
-from sqlite_utils.db import NotFoundError
 
 SCHEMA_VERSION = 2
 """2: checkpoints carry ``uid`` (one per save: a later save under the same name never shares it) and sampling
@@ -70,6 +70,7 @@ class RecordsBase:
         """(owner, UTC day) whose key use is already in the audit log."""
         """Numbers finished futures in order (``RunRecords._next_completion``); seeded from the file on first use."""
         self._create_schema()
+        self._pks = {table.name: table.pks[0] for table in self.db.tables}
 
     def _create_schema(self) -> None:
         db = self.db
@@ -139,10 +140,29 @@ class RecordsBase:
         db["futures"].create_index(["poll_group", "completion_seq"], if_not_exists=True)
 
     # ---- helpers --------------------------------------------------------------------------------------------------
+    # Plain SQL for single rows: these run several times per training step, and sqlite-utils' table methods read the
+    # schema (table_info, sqlite_master) on every call, which cost more than the statement itself.
+    def _get(self, table: str, pk: str) -> dict | None:
+        """A row by primary key, or None."""
+        cursor = self.db.conn.execute(f"SELECT * FROM [{table}] WHERE [{self._pks[table]}] = ?", [pk])
+        row = cursor.fetchone()
+        return None if row is None else dict(zip([c[0] for c in cursor.description], row, strict=True))
+
     def _owned(self, table: str, pk: str, owner: str) -> dict | None:
         """A row by primary key, only if ``owner`` owns it: another tenant's rows look exactly like missing ones."""
-        try:
-            row = self.db[table].get(pk)
-        except NotFoundError:
-            return None
-        return row if row["owner"] == owner else None
+        row = self._get(table, pk)
+        return row if row is not None and row["owner"] == owner else None
+
+    def _insert(self, table: str, row: dict[str, Any], replace: bool = False) -> None:
+        """Insert ``row`` (``replace``: over the row with the same primary key)."""
+        columns = ", ".join(f"[{name}]" for name in row)
+        with self.db.conn:
+            self.db.conn.execute(f"INSERT {'OR REPLACE ' if replace else ''}INTO [{table}] ({columns}) "
+                                 f"VALUES ({', '.join('?' * len(row))})", list(row.values()))
+
+    def _update(self, table: str, pk: str, values: dict[str, Any]) -> None:
+        """Set ``values`` on the row with primary key ``pk`` (no row: nothing changes)."""
+        assignments = ", ".join(f"[{name}] = ?" for name in values)
+        with self.db.conn:
+            self.db.conn.execute(f"UPDATE [{table}] SET {assignments} WHERE [{self._pks[table]}] = ?",
+                                 [*values.values(), pk])

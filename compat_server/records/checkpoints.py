@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-from sqlite_utils.db import NotFoundError
-
 from compat_server.records.base import LIVE, RecordsBase, now
 from compat_server.telemetry import traced
 
@@ -18,11 +16,8 @@ class CheckpointRecords(RecordsBase):
                        user_metadata: dict[str, str] | None) -> dict | None:
         """Record a new save under ``tinker_path`` (identity ``uid``); returns the record it replaced, if any
         (an overwritten or an expired, not yet swept, checkpoint), whose files the caller deletes."""
-        try:
-            replaced = self.db["checkpoints"].get(tinker_path)
-        except NotFoundError:
-            replaced = None
-        self.db["checkpoints"].insert({
+        replaced = self._get("checkpoints", tinker_path)
+        self._insert("checkpoints", {
             "tinker_path": tinker_path, "training_run_id": training_run_id, "checkpoint_id": checkpoint_id,
             "kind": kind, "owner": owner, "base_model": base_model, "size_bytes": size_bytes, "created": now(),
             "expires_at": expires_at, "public": 0, "user_metadata": json.dumps(user_metadata or {}), "uid": uid,
@@ -37,9 +32,8 @@ class CheckpointRecords(RecordsBase):
 
     def live_checkpoint(self, tinker_path: str) -> dict | None:
         """A checkpoint's record unless it is missing or expired, whoever owns it (callers check access)."""
-        try:
-            row = self.db["checkpoints"].get(tinker_path)
-        except NotFoundError:
+        row = self._get("checkpoints", tinker_path)
+        if row is None:
             return None
         return None if row["expires_at"] is not None and row["expires_at"] <= now() else row
 
@@ -64,7 +58,7 @@ class CheckpointRecords(RecordsBase):
         return rows, table.count_where(where, args)
 
     def set_checkpoint_expiry(self, tinker_path: str, expires_at: str | None) -> None:
-        self.db["checkpoints"].update(tinker_path, {"expires_at": expires_at})
+        self._update("checkpoints", tinker_path, {"expires_at": expires_at})
 
     def expired_checkpoints(self) -> list[tuple[str, str]]:
         """(path, uid) of checkpoints whose expiry has passed (still recorded until the sweep deletes them)."""
@@ -78,7 +72,7 @@ class CheckpointRecords(RecordsBase):
                                         [tinker_path, uid]).rowcount > 0
 
     def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
-        self.db["checkpoints"].update(tinker_path, {"public": int(public)})
+        self._update("checkpoints", tinker_path, {"public": int(public)})
 
     def sessions_page(self, owner: str, limit: int, offset: int) -> list[str]:
         return [row["id"] for row in self.db["sessions"].rows_where(
@@ -113,7 +107,7 @@ class CheckpointRecords(RecordsBase):
                        adapter_dir: str | None = None, checkpoint_uid: str | None = None) -> None:
         """``kind`` is ``base``, ``checkpoint`` (a saved sampler checkpoint), ``snapshot`` (ephemeral weights saved
         by save_weights_and_get_sampling_client) or ``inflight`` (the training model's shared, mutable weights)."""
-        self.db["samplers"].insert({
+        self._insert("samplers", {
             "id": sampler_id, "session_id": session_id, "owner": owner, "base_model": base_model, "kind": kind,
             "model_path": model_path, "model_id": model_id, "adapter_key": adapter_key, "adapter_dir": adapter_dir,
             "created": now(), "checkpoint_uid": checkpoint_uid,

@@ -15,7 +15,7 @@ class RunRecords(RecordsBase):
     def create_session(self, session_id: str, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
                        sdk_version: str | None, project_id: str | None, display_name: str | None = None) -> None:
         stamp = now()
-        self.db["sessions"].insert({
+        self._insert("sessions", {
             "id": session_id, "owner": owner, "created": stamp, "last_heartbeat": stamp, "tags": json.dumps(tags),
             "user_metadata": json.dumps(user_metadata), "sdk_version": sdk_version, "project_id": project_id,
             "display_name": display_name,
@@ -26,7 +26,7 @@ class RunRecords(RecordsBase):
         return self._owned("sessions", session_id, owner)
 
     def heartbeat(self, session_id: str) -> None:
-        self.db["sessions"].update(session_id, {"last_heartbeat": now()})
+        self._update("sessions", session_id, {"last_heartbeat": now()})
 
     def stale_sessions(self, heartbeat_before: str) -> list[dict]:
         """Open sessions whose last heartbeat is older than ``heartbeat_before``."""
@@ -42,17 +42,17 @@ class RunRecords(RecordsBase):
         return list(self.db["models"].rows_where("base_model = ? AND status = 'active'", [base_model]))
 
     def finish_session(self, session_id: str, reason: str) -> None:
-        self.db["sessions"].update(session_id, {"finished": now(), "finish_reason": reason})
+        self._update("sessions", session_id, {"finished": now(), "finish_reason": reason})
 
     def count_telemetry(self, owner: str, session_id: str | None, events: int) -> None:
-        self.db["telemetry"].insert({"owner": owner, "session_id": session_id, "events": events, "received": now()})
+        self._insert("telemetry", {"owner": owner, "session_id": session_id, "events": events, "received": now()})
 
     # ---- models (training runs) -----------------------------------------------------------------------------------
     @traced("records.create_model")
     def create_model(self, model_id: str, *, session_id: str, owner: str, base_model: str, lora: dict[str, Any],
                      user_metadata: dict[str, Any] | None) -> None:
         stamp = now()
-        self.db["models"].insert({
+        self._insert("models", {
             "id": model_id, "session_id": session_id, "owner": owner, "base_model": base_model, "is_lora": 1,
             "lora_rank": lora["rank"], "lora_config": json.dumps(lora), "status": "active", "created": stamp,
             "last_request": stamp, "user_metadata": json.dumps(user_metadata or {}),
@@ -65,13 +65,13 @@ class RunRecords(RecordsBase):
 
     @traced("records.set_model_status")
     def set_model_status(self, model_id: str, status: str) -> None:
-        was = self.db["models"].get(model_id)["status"]
-        self.db["models"].update(model_id, {"status": status, "last_request": now()})
+        was = self._get("models", model_id)["status"]
+        self._update("models", model_id, {"status": status, "last_request": now()})
         RESIDENT_ADAPTERS.add((status == "active") - (was == "active"))
 
     def set_rolled_back(self, model_id: str, notice: str) -> None:
         """Record that the run was rolled back to a checkpoint; its owner's next request on it is told so."""
-        self.db["models"].update(model_id, {"rolled_back": notice, "rollback_unseen": 1})
+        self._update("models", model_id, {"rolled_back": notice, "rollback_unseen": 1})
 
     def take_rollback_notice(self, model_id: str) -> str | None:
         """The rollback notice its owner has not been told yet (marked told), or None."""
@@ -81,13 +81,13 @@ class RunRecords(RecordsBase):
         return row[0] if row else None
 
     def set_model_lora(self, model_id: str, lora: dict[str, Any]) -> None:
-        self.db["models"].update(model_id, {"lora_rank": lora["rank"], "lora_config": json.dumps(lora)})
+        self._update("models", model_id, {"lora_rank": lora["rank"], "lora_config": json.dumps(lora)})
 
     # ---- training steps (for the dashboard's loss curves) ---------------------------------------------------------
     @traced("records.add_step")
     def add_step(self, model_id: str, *, seq_id: int, kind: str, loss_fn: str, metrics: dict[str, float],
                  num_tokens: int, tokens_per_s: float) -> None:
-        self.db["steps"].insert({"model_id": model_id, "seq_id": seq_id, "kind": kind, "loss_fn": loss_fn,
+        self._insert("steps", {"model_id": model_id, "seq_id": seq_id, "kind": kind, "loss_fn": loss_fn,
                                  "metrics": json.dumps(metrics), "num_tokens": num_tokens,
                                  "tokens_per_s": tokens_per_s, "created": now()})
 
@@ -119,7 +119,7 @@ class RunRecords(RecordsBase):
     def create_future(self, request_id: str, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
                       idempotency_key: str | None, poll_group: str | None = None) -> None:
         """``poll_group`` names the futures one ``retrieve_futures`` poll covers (a sampling session's clone)."""
-        self.db["futures"].insert({
+        self._insert("futures", {
             "request_id": request_id, "owner": owner, "model_id": model_id, "seq_id": seq_id, "kind": kind,
             "state": "pending", "created": now(), "idempotency_key": idempotency_key, "poll_group": poll_group,
         })
@@ -130,12 +130,12 @@ class RunRecords(RecordsBase):
 
     @traced("records.finish_future")
     def finish_future(self, request_id: str, *, media_type: str, result: bytes) -> None:
-        self.db["futures"].update(request_id, {"state": "complete", "finished": now(), "media_type": media_type,
+        self._update("futures", request_id, {"state": "complete", "finished": now(), "media_type": media_type,
                                                "result": result, "completion_seq": self._next_completion()})
 
     @traced("records.fail_future")
     def fail_future(self, request_id: str, *, error: str, category: str) -> None:
-        self.db["futures"].update(request_id, {"state": "failed", "finished": now(), "error": error,
+        self._update("futures", request_id, {"state": "failed", "finished": now(), "error": error,
                                                "category": category, "completion_seq": self._next_completion()})
 
     @traced("records.future")

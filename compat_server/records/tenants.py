@@ -13,7 +13,7 @@ class TenantRecords(RecordsBase):
         """Register a key by its tenant hash (the key itself is never stored)."""
         if self.db["api_keys"].count_where("name = ?", [name]):
             raise ValueError(f"a key named {name!r} already exists")
-        self.db["api_keys"].insert({"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None,
+        self._insert("api_keys", {"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None,
                                     "admin": int(admin)})
 
     def api_keys(self) -> list[dict]:
