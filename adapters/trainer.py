@@ -145,13 +145,10 @@ class MultiLoRATrainer(TrainerFiles, TrainerOptim):
         """What the trainer pool sends: any runs' optim steps and forward / forward_backward requests, each run at
         most once, in one call (one Ray round trip). The optim steps go first: a run's next forward_backward cannot
         be in the same call as its optim step, so the order between runs changes nothing."""
-        optims = [(i, r) for i, r in enumerate(requests) if isinstance(r, OptimRequest)]
-        steps = [(i, r) for i, r in enumerate(requests) if isinstance(r, StepRequest)]
         outcomes: list = [None] * len(requests)
-        for (index, _), outcome in zip(optims, self.optim_steps([r for _, r in optims]), strict=True):
-            outcomes[index] = outcome
-        if steps:
-            for (index, _), outcome in zip(steps, self.forward_backward_batch([r for _, r in steps]), strict=True):
+        for kind, run in ((OptimRequest, self.optim_steps), (StepRequest, self.forward_backward_batch)):
+            picked = [i for i, request in enumerate(requests) if isinstance(request, kind)]
+            for index, outcome in zip(picked, run([requests[i] for i in picked]), strict=True):
                 outcomes[index] = outcome
         return outcomes
 

@@ -40,35 +40,31 @@ class TrainerOptim:
         ``UserError`` that request alone gets (the others still step)."""
         outcomes: list[dict[str, float] | UserError] = []
         together: dict[tuple, list[_Adapter]] = {}
-        stepping: list[tuple[_Adapter, float]] = []
-        seen: set[str] = set()
+        stepped: dict[str, tuple[_Adapter, dict[str, float]]] = {}
         for request in requests:
             try:
-                if request.model_id in seen:  # the scheduler sends one request per run at a time; never step twice
+                if request.model_id in stepped:  # the scheduler sends one request per run at a time; never step twice
                     raise UserError(f"model {request.model_id} already steps in this batch")
                 adapter, grad_norm = self._clipped(request)
-                seen.add(request.model_id)
             except UserError as exc:
                 outcomes.append(exc)
                 continue
             hyper = request.hyper
-            if isinstance(hyper, AdamHyper) and isinstance(adapter.optimizer, torch.optim.AdamW):
+            if isinstance(hyper, AdamHyper):  # ``_clipped`` checked that the run's optimizer is AdamW
                 together.setdefault(astuple(hyper), []).append(adapter)
             else:
                 for group in adapter.optimizer.param_groups:
                     group.update(lr=hyper.learning_rate, beta1=hyper.beta1)
                 adapter.optimizer.step()
-            stepping.append((adapter, grad_norm))
-            outcomes.append({"grad_norm": grad_norm, "learning_rate": hyper.learning_rate})
+            metrics = {"grad_norm": grad_norm, "learning_rate": hyper.learning_rate}
+            stepped[request.model_id] = (adapter, metrics)
+            outcomes.append(metrics)
         for hyper_fields, adapters in together.items():
             adamw_together([a.optimizer for a in adapters], AdamHyper(*hyper_fields))
-        for adapter, _ in stepping:
+        for adapter, metrics in stepped.values():
             adapter.optimizer.zero_grad(set_to_none=True)
             adapter.step += 1
-        steps = iter(stepping)
-        for outcome in outcomes:
-            if isinstance(outcome, dict):
-                outcome["step"] = float(next(steps)[0].step)
+            metrics["step"] = float(adapter.step)
         return outcomes
 
     def _clipped(self, request: OptimRequest) -> tuple[_Adapter, float]:

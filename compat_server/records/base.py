@@ -66,11 +66,12 @@ class RecordsBase:
         self.db.enable_wal()
         self.db.execute("PRAGMA synchronous=NORMAL")
         self._completions: Iterator[int] | None = None
+        """Numbers finished futures in order (``RunRecords._next_completion``); seeded from the file on first use."""
         self._key_days: set[tuple[str, str]] = set()
         """(owner, UTC day) whose key use is already in the audit log."""
-        """Numbers finished futures in order (``RunRecords._next_completion``); seeded from the file on first use."""
         self._create_schema()
         self._pks = {table.name: table.pks[0] for table in self.db.tables}
+        """Each table's primary-key column, read once from the schema (for ``_get`` and ``_update``)."""
 
     def _create_schema(self) -> None:
         db = self.db

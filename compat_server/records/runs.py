@@ -88,8 +88,8 @@ class RunRecords(RecordsBase):
     def add_step(self, model_id: str, *, seq_id: int, kind: str, loss_fn: str, metrics: dict[str, float],
                  num_tokens: int, tokens_per_s: float) -> None:
         self._insert("steps", {"model_id": model_id, "seq_id": seq_id, "kind": kind, "loss_fn": loss_fn,
-                                 "metrics": json.dumps(metrics), "num_tokens": num_tokens,
-                                 "tokens_per_s": tokens_per_s, "created": now()})
+                               "metrics": json.dumps(metrics), "num_tokens": num_tokens,
+                               "tokens_per_s": tokens_per_s, "created": now()})
 
     def steps(self, model_id: str, kind: str, limit: int) -> list[dict]:
         """The run's latest ``limit`` steps of ``kind`` (forward or forward_backward), oldest first, metrics decoded."""
@@ -131,12 +131,12 @@ class RunRecords(RecordsBase):
     @traced("records.finish_future")
     def finish_future(self, request_id: str, *, media_type: str, result: bytes) -> None:
         self._update("futures", request_id, {"state": "complete", "finished": now(), "media_type": media_type,
-                                               "result": result, "completion_seq": self._next_completion()})
+                                             "result": result, "completion_seq": self._next_completion()})
 
     @traced("records.fail_future")
     def fail_future(self, request_id: str, *, error: str, category: str) -> None:
         self._update("futures", request_id, {"state": "failed", "finished": now(), "error": error,
-                                               "category": category, "completion_seq": self._next_completion()})
+                                             "category": category, "completion_seq": self._next_completion()})
 
     @traced("records.future")
     def future(self, request_id: str, owner: str) -> dict | None:

@@ -14,7 +14,7 @@ class TenantRecords(RecordsBase):
         if self.db["api_keys"].count_where("name = ?", [name]):
             raise ValueError(f"a key named {name!r} already exists")
         self._insert("api_keys", {"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None,
-                                    "admin": int(admin)})
+                                  "admin": int(admin)})
 
     def api_keys(self) -> list[dict]:
         return list(self.db["api_keys"].rows_where(order_by="created", select="id, name, created, revoked, admin"))
