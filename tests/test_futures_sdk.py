@@ -54,7 +54,9 @@ def test_one_poll_stands_for_many_pending_samples(server):
           f"{held_before / SAMPLES:.2f} held long polls; after: {after['retrieve_future']['count'] / SAMPLES:.2f} "
           f"retrieve_future, {after['retrieve_futures']['count'] / SAMPLES:.2f} retrieve_futures, "
           f"{held_after / SAMPLES:.2f} held")
-    assert before["retrieve_futures"]["count"] == 0 and held_before >= SAMPLES / 2
+    # Per-request polling: one retrieve_future per sample, no session poll. How many of them are held depends on how
+    # fast the sampler is (a sample done before its first poll is answered at once), so only the count is asserted.
+    assert before["retrieve_futures"]["count"] == 0 and before["retrieve_future"]["count"] >= SAMPLES
     assert after["retrieve_future"]["count"] == SAMPLES  # one payload fetch per sample…
     assert after["retrieve_future"]["held"] == 0  # …answered at once: the session poll said it was ready
     # One poll per batch of completions (the sampler finishes requests in batches), never one per sample
