@@ -9,6 +9,7 @@ from typing import Any
 
 from tinker import types
 
+from compat_server.auth import ANONYMOUS, owner_of
 from compat_server.downloads import DownloadGrant, UrlSigner
 from compat_server.records import Records
 from compat_server.records.account import AUDITED_RESOURCES
@@ -183,9 +184,12 @@ class AccountService:
     def key_info(self, owner: str, auth_mode: str) -> dict:
         """``tinker auth login`` checks a pasted key with this (the CLI's ``SelfApiKeyResponse``)."""
         row = self.records.key_of(owner)
-        name = row["name"] if row else "open-auth key"
+        anonymous = owner == owner_of(ANONYMOUS)
+        name = row["name"] if row else "anonymous" if anonymous else "open-auth key"
         key_id = int(row["id"], 16) if row else int(owner[:12], 16)
-        note = "registered with compat-server keys create" if row else f"any tml- key is accepted (--auth {auth_mode})"
+        note = ("registered with compat-server keys create" if row
+                else "no tml- key: the one tenant shared by every such caller (--auth open)" if anonymous
+                else f"any tml- key is accepted (--auth {auth_mode})")
         return {"key_id": key_id, "name": name, "note": note,
                 "details": {"org_details": {"name": "compat-server"}, "user_details": {"email": f"{name}@compat-server"}}}
 

@@ -20,20 +20,27 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def credential(connection: ASGIConnection) -> str:
-    """The caller's key (or SDK token) from ``X-API-Key`` or ``Authorization: Bearer``; 401 when absent or malformed.
-    """
+ANONYMOUS = "anonymous"
+"""The one tenant that, on an ``--auth open`` server, every caller without a ``tml-`` key shares: OpenAI-API tools
+send ``api_key="EMPTY"``, a made-up ``sk-…`` or no key at all, as vLLM's server lets them."""
+
+
+def credential(connection: ASGIConnection) -> str | None:
+    """The caller's key (or SDK token) from ``X-API-Key`` or ``Authorization: Bearer``; None when there is none."""
     key = connection.headers.get("x-api-key")
     if not key:
         auth = connection.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    if not key:
-        raise NotAuthorizedException("missing API key: send X-API-Key (tinker) or Authorization: Bearer (OpenAI)")
-    if key.count(".") == 2 and not key.startswith(KEY_PREFIX):
-        return key  # a token from /api/v1/auth/token (three base64url parts)
-    if not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + 1:
-        raise NotAuthorizedException(f"invalid API key: keys start with {KEY_PREFIX!r}")
-    return key
+    return key or None
+
+
+def is_token(presented: str) -> bool:
+    """Whether ``presented`` is a token from ``/api/v1/auth/token`` (three base64url parts) rather than a key."""
+    return presented.count(".") == 2 and not presented.startswith(KEY_PREFIX)
+
+
+def is_key(presented: str) -> bool:
+    return presented.startswith(KEY_PREFIX) and len(presented) > len(KEY_PREFIX)
 
 
 def new_key() -> str:
@@ -41,20 +48,26 @@ def new_key() -> str:
 
 
 async def provide_owner(request: ASGIConnection) -> str:
-    """Litestar dependency: the calling tenant's identity. ``--auth open``: any well-formed key is its own tenant;
-    ``--auth keys``: only keys registered with ``compat-server keys create`` and not revoked. A token the SDK got for
+    """Litestar dependency: the calling tenant's identity. ``--auth open``: any ``tml-`` key is its own tenant, and
+    every other key (or none) is the one ``ANONYMOUS`` tenant; ``--auth keys``: only keys registered with ``compat-server keys create`` and not revoked. A token the SDK got for
     its key stands for that key; an expired or forged one answers ``invalid_token``, on which the SDK exchanges its
     key again."""
     services = request.app.state.services
+    open_auth = services.config.auth_mode == "open"
     presented = credential(request)
-    if presented.startswith(KEY_PREFIX):
+    if presented is not None and is_key(presented):
         owner = owner_of(presented)
-    elif (tenant := services.tokens.tenant(presented)) is not None:
-        owner = tenant
+    elif presented is not None and is_token(presented):
+        if (owner := services.tokens.tenant(presented)) is None:
+            raise NotAuthorizedException("invalid or expired token: exchange the API key again at /api/v1/auth/token",
+                                         headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+    elif open_auth:
+        owner = owner_of(ANONYMOUS)
+    elif presented is None:
+        raise NotAuthorizedException("missing API key: send X-API-Key (tinker) or Authorization: Bearer (OpenAI)")
     else:
-        raise NotAuthorizedException("invalid or expired token: exchange the API key again at /api/v1/auth/token",
-                                     headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
-    if services.config.auth_mode == "keys" and not services.records.key_active(owner):
+        raise NotAuthorizedException(f"invalid API key: keys start with {KEY_PREFIX!r}")
+    if not open_auth and not services.records.key_active(owner):
         raise NotAuthorizedException("unknown or revoked API key: this server accepts only keys created with "
                                      "`compat-server keys create`")
     services.records.note_key_use(owner)

@@ -104,8 +104,11 @@ def serve(config: ServerConfig) -> None:
         if server.started:
             host = f"[{config.host}]" if ":" in config.host else config.host
             url = f"http://{host}:{config.port}"
+            auth = config.auth_mode
+            if auth == "open":
+                auth += " (each tml- key is its own tenant; no key, EMPTY or any other key share one anonymous tenant)"
             log.info("compat-server ready at %s — base models: %s — data: %s — auth: %s", url,
-                     ", ".join(config.base_models), config.data_dir, config.auth_mode,
+                     ", ".join(config.base_models), config.data_dir, auth,
                      extra={"event": "ready", "url": url, "base_models": config.base_models,
                             "auth": config.auth_mode})
         await task

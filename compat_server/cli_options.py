@@ -157,7 +157,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "works; the key is re-checked at every request (default: %(default)s)")
     parser.add_argument("--auth", choices=["keys", "open"], default=None,
                         help="who may call the server. keys: only keys made with 'compat-server keys create' (and "
-                             "not revoked); open: any key starting with 'tml-', each key its own tenant. Default: "
+                             "not revoked); open: each key starting with 'tml-' is its own tenant, and callers with no key or any other "
+                             "key (OpenAI tools' 'EMPTY', 'sk-…') share one anonymous tenant. Default: "
                              "open when bound to a loopback address, keys otherwise")
     parser.add_argument("--allow-open-auth", action="store_true",
                         help="permit --auth open on an address other machines can reach")

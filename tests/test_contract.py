@@ -152,11 +152,13 @@ def test_live_responses_validate_against_pinned_schemas(server):
     conforms("TryAgainResponse", answer.json())
 
 
-@pytest.mark.parametrize("headers, status", [({}, 401), ({"X-API-Key": "sk-not-tinker"}, 401)])
-def test_requests_without_a_valid_key_are_refused(server, headers, status):
+@pytest.mark.parametrize("headers, message", [({}, "missing API key"), ({"X-API-Key": "sk-not-tinker"}, "tml-"),
+                                              ({"X-API-Key": "tml-never-registered"}, "unknown or revoked")])
+def test_requests_without_a_valid_key_are_refused_with_auth_keys(keyed_server, headers, message):
+    server, _ = keyed_server
     answer = httpx.post(f"{server.base_url}/api/v1/create_session", headers=headers,
                         json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"})
-    assert answer.status_code == status and "API key" in answer.json()["error"]
+    assert answer.status_code == 401 and message in answer.json()["error"]
 
 
 def test_malformed_bodies_are_400_and_unknown_futures_404(server):

@@ -235,7 +235,24 @@ def test_errors_have_openai_shape_and_the_server_keeps_serving(oai, call, status
     assert chat(oai, BASE_MODEL, max_tokens=2).choices[0].message.content is not None
 
 
-def test_bad_or_missing_key_is_401(server):
+def test_open_auth_takes_no_key_or_any_other_key_as_one_anonymous_tenant(server):
+    """lm-eval, litellm and vLLM habits: ``api_key="EMPTY"``, a made-up ``sk-…`` key, or none at all."""
+    for api_key in ("EMPTY", "sk-not-ours"):
+        oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=api_key, max_retries=0)
+        assert chat(oai, BASE_MODEL, max_tokens=2).choices[0].message.content is not None
+    raw = httpx.post(f"{server.base_url}/v1/chat/completions",
+                     json={"model": BASE_MODEL, "messages": MESSAGES, "max_tokens": 2})
+    assert raw.status_code == 200, raw.text
+    me = [httpx.get(f"{server.base_url}/api/v1/auth/apikey/me", headers=headers).json()
+          for headers in ({}, {"Authorization": "Bearer EMPTY"}, {"X-API-Key": "sk-not-ours"},
+                          {"X-API-Key": "tml-test-not-anonymous"})]
+    assert me[0]["name"] == "anonymous" and me[0]["key_id"] == me[1]["key_id"] == me[2]["key_id"]
+    assert me[3]["key_id"] != me[0]["key_id"] and me[3]["name"] != "anonymous"
+    assert "anonymous tenant" in server.log_path.read_text()  # the ready line says so
+
+
+def test_bad_or_missing_key_is_401_with_auth_keys(keyed_server):
+    server, _ = keyed_server
     with pytest.raises(openai.AuthenticationError) as info:
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="sk-not-ours", max_retries=0).models.list()
     assert info.value.body["code"] == "invalid_api_key"
