@@ -26,8 +26,8 @@ from adapters.batching import Coalescer
 from adapters.lora import LoRALinear, Router, install, with_tied_input_side, wrap_linears
 from adapters.sampler import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
+from shims.sample_job import SampleJob, SampleResult, SequenceResult, TokenEvent
 from shims.sampling_math import SeededStream, StopMatcher, choose_token, score_prompt, sequence_streams, top_k
-from shims.sampling_wire import SampleJob, SampleResult, SequenceResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from shims.sampling_wire import SampleJob, SampleResult, TokenEvent
+from shims.sample_job import SampleJob, SampleResult, TokenEvent
 
 OnToken = Callable[[TokenEvent], None]
 """Called with each token as it is sampled (streaming); possibly from a backend's generation thread."""

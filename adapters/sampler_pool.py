@@ -19,7 +19,7 @@ from adapters.base_models import BaseModelSpec
 from adapters.logs import configure_logging
 from adapters.sampler import AdapterRef, Restarting, SamplerFacts
 from adapters.vllm_sampler import VLLMOptions
-from shims.sampling_wire import SampleJob, SampleResult, TokenEvent
+from shims.sample_job import SampleJob, SampleResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
 

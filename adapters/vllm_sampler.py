@@ -35,7 +35,8 @@ from adapters.sampler import (
     SamplerFacts,
 )
 from shims.errors import UserError
-from shims.sampling_wire import PromptScores, SampleJob, SampleResult, SequenceResult, TokenEvent, masked_topk
+from shims.sample_job import PromptScores, SampleJob, SampleResult, SequenceResult, TokenEvent
+from shims.sampling_wire import masked_topk
 
 log = logging.getLogger("compat_server.sampler")
 

@@ -15,7 +15,7 @@ from adapters.sampler import AdapterRef
 from adapters.tiny_model import ensure_tiny_model
 from adapters.trainer import LoraSpec, MultiLoRATrainer
 from bench.common import write
-from shims.sampling_wire import SampleJob
+from shims.sample_job import SampleJob
 
 
 def main() -> None:

@@ -38,7 +38,8 @@ from shims.openai_wire import (
     text_completion,
     usage,
 )
-from shims.sampling_wire import SampleJob, SampleResult, TokenEvent, decode_sample_request
+from shims.sample_job import SampleJob, SampleResult, TokenEvent
+from shims.sampling_wire import decode_sample_request
 
 log = logging.getLogger("compat_server.openai")
 

@@ -29,14 +29,8 @@ from compat_server.scheduler import Scheduler
 from compat_server.stability import StabilityStore
 from compat_server.telemetry import tracer
 from shims.errors import NotFound, UserError
-from shims.sampling_wire import (
-    SampleJob,
-    SampleResult,
-    SamplingLimits,
-    TokenEvent,
-    decode_sample_request,
-    encode_sample_response,
-)
+from shims.sample_job import SampleJob, SampleResult, SamplingLimits, TokenEvent
+from shims.sampling_wire import decode_sample_request, encode_sample_response
 
 log = logging.getLogger("compat_server.sampling")
 

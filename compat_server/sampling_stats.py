@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from adapters.sampler import AdapterRef
 from compat_server.telemetry import TOKENS_SAMPLED
-from shims.sampling_wire import SampleJob, SampleResult
+from shims.sample_job import SampleJob, SampleResult
 
 log = logging.getLogger("compat_server.sampling")
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tinker import types
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from shims.sampling_wire import TokenEvent
+from shims.sample_job import TokenEvent
 
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from shims.sampling_wire import PromptScores, SampleJob, masked_topk
+from shims.sample_job import PromptScores, SampleJob
+from shims.sampling_wire import masked_topk
 
 
 class SeededStream:

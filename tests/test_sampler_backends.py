@@ -12,7 +12,7 @@ import torch
 
 from adapters.sampler import AdapterRef
 from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer
-from shims.sampling_wire import SampleJob
+from shims.sample_job import SampleJob
 from shims.training_wire import DatumArrays
 from tests.helpers import logprob_tolerance, reference_peft_model, skip_without_vllm
 

@@ -17,8 +17,9 @@ from shims.openai_wire import (
     parse_request,
     sample_request,
 )
+from shims.sample_job import SampleJob, SamplingLimits
 from shims.sampling_math import penalized
-from shims.sampling_wire import SampleJob, SamplingLimits, decode_sample_request
+from shims.sampling_wire import decode_sample_request
 
 LIMITS = SamplingLimits(vocab_size=512, max_context=64, max_num_samples=8, max_logprobs_k=20)
 
