@@ -18,14 +18,51 @@ from pathlib import Path
 TINY_MODEL_NAME = "compat-server/tiny-qwen3"
 """The name under which the server advertises the built-in model."""
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 """Bumped whenever the recipe below changes, so a stale cache is rebuilt rather than silently reused."""
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+"""Qwen3's tags, each one token that decoding keeps (added, not special), as in Qwen3's own tokenizer: the model
+calls a tool by writing ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, which the server parses."""
+
+VOCAB_SIZE = 512
+
 CHATML_TEMPLATE = (
+    # Qwen3's chat format (ChatML, with hermes-style tools), written for this model: tools are listed in the system
+    # turn, an assistant's tool calls follow its text, tool results go back in a user turn.
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call.name + '\\\", \\\"arguments\\\": ' }}"
+    "{{- call.arguments if call.arguments is string else call.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -62,8 +99,9 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(directory: Path) -> None:
-    """Train a byte-level BPE tokenizer (vocab 512) on the fixed corpus and save it in HF format."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Train a byte-level BPE tokenizer (vocab 512, Qwen3's tool tags included) on the fixed corpus and save it in HF
+    format."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -73,10 +111,11 @@ def build_tokenizer(directory: Path) -> None:
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=VOCAB_SIZE - len(TOOL_TOKENS), special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
         additional_special_tokens=["<|im_start|>"], chat_template=CHATML_TEMPLATE,
