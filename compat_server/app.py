@@ -14,9 +14,10 @@ from compat_server import telemetry
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
 from compat_server.dashboard_routes import DASHBOARD_ROUTES
-from compat_server.openai_routes import OPENAI_ROUTER
+from compat_server.openai_routes import OPENAI_ROUTER, openai_error
 from compat_server.quotas import TooManyRequests
 from compat_server.services import Services, start_services
+from compat_server.serving_routes import SERVING_ROUTER
 from compat_server.tinker import ROUTES as TINKER_ROUTES
 from shims.errors import NotFound, UserError, too_deeply_nested
 
@@ -50,7 +51,9 @@ def _bad_json(_: Request, exc: SerializationException) -> Response:
     return _error(400, f"the request body is not valid JSON: {exc}")
 
 
-def _http_error(_: Request, exc: HTTPException) -> Response:
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    if request.url.path == "/v1" or request.url.path.startswith("/v1/"):  # e.g. an unknown /v1 path, a wrong method
+        return openai_error(request, exc)
     response = _error(exc.status_code, exc.detail, "user" if exc.status_code < 500 else "server")
     response.headers.update(exc.headers or {})  # e.g. WWW-Authenticate on an expired SDK token
     return response
@@ -79,7 +82,7 @@ def create_app(config: ServerConfig) -> Litestar:
 
     plugins = [telemetry.litestar_plugin()] if telemetry.setup(config.otlp_endpoint) else []
     return Litestar(
-        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER, *DASHBOARD_ROUTES],
+        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER, SERVING_ROUTER, *DASHBOARD_ROUTES],
         plugins=plugins,
         on_startup=[startup],
         on_shutdown=[shutdown],

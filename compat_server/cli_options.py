@@ -112,6 +112,14 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="largest num_samples one sample request may ask for (default: %(default)s)")
     parser.add_argument("--max-logprobs-k", type=int, default=d.max_logprobs_k,
                         help="largest top-k of prompt / sample logprobs and prompt_alt_tokens_k (default: %(default)s)")
+    parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                        help="OpenAI routes: most logprobs per position a request may ask for (completions' "
+                             "logprobs, chat's top_logprobs, prompt_logprobs); vLLM's default (default: %(default)s)")
+    parser.add_argument("--max-stop-strings", type=int, default=None,
+                        help="OpenAI routes: most stop strings in one request (default: no limit, as in vLLM)")
+    parser.add_argument("--max-temperature", type=float, default=None,
+                        help="OpenAI routes: highest temperature accepted (default: any, as in vLLM; OpenAI's own "
+                             "API stops at 2)")
     parser.add_argument("--client-side-custom-losses", action="store_true",
                         help="run custom losses (ServiceClient.create_custom_loss) in the client, as the SDK does "
                              "without server support: a forward, the loss on the client, then a backward. By "
@@ -235,7 +243,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         sampler_dtype=args.sampler_dtype, max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank,
         vllm_max_loras=args.vllm_max_loras, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         vllm_kv_cache_gb=args.vllm_kv_cache_gb,
-        max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k,
+        max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k, max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings, max_temperature=args.max_temperature,
         custom_loss_server_side=not args.client_side_custom_losses, custom_loss_max_nodes=args.custom_loss_max_nodes,
         custom_loss_max_nesting=args.custom_loss_max_nesting, custom_loss_max_constants=args.custom_loss_max_constants,
         custom_loss_max_elements=args.custom_loss_max_elements,

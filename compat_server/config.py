@@ -57,6 +57,12 @@ class ServerConfig:
     vllm_kv_cache_gb: float | None = None
     max_num_samples: int = 128
     max_logprobs_k: int = 64
+    max_stop_strings: int | None = None
+    """OpenAI routes: most ``stop`` strings in one request (None: no limit, as in vLLM)."""
+    max_logprobs: int = 20
+    """OpenAI routes: most logprobs per position (``logprobs``, ``top_logprobs``, ``prompt_logprobs``); vLLM's 20."""
+    max_temperature: float | None = None
+    """OpenAI routes: the highest ``temperature`` accepted (None: any, as in vLLM)."""
     custom_loss_server_side: bool = True
     """Custom losses made with ``create_custom_loss`` run in the trainer, in one forward_backward (client/config's
     ``custom_loss_server_side``); off, the SDK runs them client-side (a forward, then a backward)."""
@@ -103,6 +109,9 @@ class ServerConfig:
             (self.max_resident_adapters >= 1, "--max-resident-adapters must be at least 1"),
             (self.max_num_samples >= 1, "--max-num-samples must be at least 1"),
             (self.max_logprobs_k >= 0, "--max-logprobs-k must be 0 or more"),
+            (0 <= self.max_logprobs <= self.max_logprobs_k, "--max-logprobs must be between 0 and --max-logprobs-k"),
+            (self.max_stop_strings is None or self.max_stop_strings >= 0, "--max-stop-strings must be 0 or more"),
+            (self.max_temperature is None or self.max_temperature >= 0, "--max-temperature must be 0 or more"),
             (min(self.custom_loss_max_nodes, self.custom_loss_max_nesting, self.custom_loss_max_constants,
                  self.custom_loss_max_elements, self.max_custom_losses_per_key) >= 1,
              ("--custom-loss-max-nodes, -nesting, -constants, -elements and --max-custom-losses-per-key must be at "

@@ -21,11 +21,12 @@ from litestar.exceptions import (
 from litestar.params import FromPath
 from litestar.response import Stream
 
+from compat_server.completion_stream import stream
 from compat_server.completions import CompletionsService
 from compat_server.quotas import TooManyRequests
 from compat_server.services import Services
 from shims.errors import NotFound, UserError, too_deeply_nested
-from shims.openai_wire import OpenAIError
+from shims.openai_errors import OpenAIError
 
 log = logging.getLogger("compat_server.openai")
 
@@ -37,14 +38,16 @@ CLIENT_CLOSED = 499
 async def _answer(request: Request, services: Services, owner: str, chat: bool) -> Response | Stream:
     completions: CompletionsService = services.completions
     prepared = completions.prepare(owner, await request.json(), chat)
+    # vLLM's habit: fields this server does not know are ignored, and the answer says which
+    headers = {"X-Ignored-Fields": ", ".join(prepared.ignored)} if prepared.ignored else {}
     if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
-        return Stream(completions.stream(prepared), media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return Stream(stream(completions, prepared), media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     answer = await _unless_disconnected(request, completions.complete(prepared))
     if answer is None:
         log.info("%s went away before its answer; its sampling was cancelled", prepared.id)
         return Response(None, status_code=CLIENT_CLOSED)
-    return Response(answer)
+    return Response(answer, headers=headers)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | None:
@@ -93,7 +96,8 @@ async def retrieve_model(model: FromPath[str], owner: NamedDependency[str],
     return services.completions.retrieve_model(owner, model)
 
 
-def _openai_error(_: Request, exc: Exception) -> Response:
+def openai_error(_: Request, exc: Exception) -> Response:
+    """Any error, answered in OpenAI's shape (the app sends every error on a ``/v1`` path here)."""
     headers = {}
     if isinstance(exc, OpenAIError):
         error = exc
@@ -123,7 +127,7 @@ def _openai_error(_: Request, exc: Exception) -> Response:
 OPENAI_ROUTER = Router(
     path="/v1", route_handlers=[chat_completions, completions, list_models, retrieve_model],
     # Every class the app maps to the Tinker shape is named again here, so these routes answer in OpenAI's shape.
-    exception_handlers={cls: _openai_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
+    exception_handlers={cls: openai_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
                                                        HTTPException, ValidationException, SerializationException,
                                                        Exception)},
 )

@@ -32,6 +32,7 @@ from compat_server.scheduler import Scheduler
 from compat_server.telemetry import observe
 from compat_server.tokens import TokenIssuer
 from compat_server.training import TrainingService
+from shims.openai_params import OpenAILimits
 
 log = logging.getLogger("compat_server")
 
@@ -165,7 +166,10 @@ async def start_services(config: ServerConfig) -> Services:
     runs = RunsService(records, checkpoints, signer)
     services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
-                    completions=CompletionsService(sampling, records, base_models, quota),
+                    completions=CompletionsService(sampling, records, base_models, quota,
+                                                   OpenAILimits(max_stop=config.max_stop_strings,
+                                                                max_logprobs=config.max_logprobs,
+                                                                max_temperature=config.max_temperature)),
                     runs=runs, account=AccountService(records, signer), base_models=base_models,
                     tokens=TokenIssuer(config.url_key_path.read_bytes(), config.token_ttl))
     loop = asyncio.get_running_loop()

@@ -138,6 +138,9 @@ class PromptScores:
     """float32 ``[len(prompt) - 1, K]``, 0 where the request had -1."""
     alt_tokens: np.ndarray | None = None
     alt_logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    """int ``[len(prompt)]``: each prompt token's rank in the distribution that predicted it (1 = the most likely),
+    where the backend reports it (for vLLM's ``prompt_logprobs``); position 0 is meaningless."""
 
 
 @dataclass

@@ -189,8 +189,12 @@ def test_text_completions(oai, tokenizer):
     reply = oai.completions.create(model=BASE_MODEL, prompt=prompt, max_tokens=6, logprobs=2, seed=3)
     assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert reply.usage.completion_tokens == len(reply.choices[0].logprobs.tokens) == 6
-    # keyed by token text, so two alternatives that decode alike (e.g. halves of characters) share one entry
-    assert all(1 <= len(top) <= 2 for top in reply.choices[0].logprobs.top_logprobs)
+    # As vLLM: each position's entries are the token itself and its top 2, keyed by token text (so two alternatives
+    # that decode alike, e.g. halves of characters, share one entry)
+    logprobs = reply.choices[0].logprobs
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert all(top[token] == lp for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                                          logprobs.top_logprobs))
     several = oai.completions.create(model=BASE_MODEL, prompt=["a b", "c"], n=2, max_tokens=4, seed=3)
     assert [c.index for c in several.choices] == [0, 1, 2, 3]
     assert several.usage.prompt_tokens == sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in ["a b", "c"])
@@ -220,9 +224,10 @@ def test_async_client(server, adapter_path):
 @pytest.mark.parametrize("call, status, error_type, param", [
     (lambda c: chat(c, "no-such-model"), openai.NotFoundError, 404, "model"),
     (lambda c: chat(c, "tinker://nobody:train:0/sampler_weights/x"), openai.NotFoundError, 404, "model"),
-    (lambda c: chat(c, BASE_MODEL, temperature=3), openai.BadRequestError, 400, "temperature"),
-    (lambda c: chat(c, BASE_MODEL, tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError,
-     400, "tools"),
+    (lambda c: chat(c, BASE_MODEL, temperature=-1), openai.BadRequestError, 400, "temperature"),
+    (lambda c: chat(c, BASE_MODEL, tool_choice="required"), openai.BadRequestError, 400, "tool_choice"),
+    (lambda c: c.get("/no-such-route", cast_to=object), openai.NotFoundError, 404, None),
+    (lambda c: c.delete("/chat/completions", cast_to=object), openai.APIStatusError, 405, None),
     (lambda c: chat(c, BASE_MODEL, top_logprobs=2), openai.BadRequestError, 400, "top_logprobs"),
     (lambda c: c.completions.create(model=BASE_MODEL, prompt=[99999]), openai.BadRequestError, 400, None),
 ])

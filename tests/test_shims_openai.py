@@ -6,22 +6,19 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from shims.openai_wire import (
-    ChatRequest,
-    CompletionRequest,
-    OpenAIError,
-    TextAssembler,
-    Vocabulary,
-    chat_messages,
-    completion_prompts,
-    parse_request,
-    sample_request,
-)
+from shims.openai_errors import OpenAIError
+from shims.openai_params import OpenAILimits, sampling_job
+from shims.openai_text import TextAssembler, Vocabulary
+from shims.openai_wire import ChatRequest, CompletionRequest, chat_messages, completion_prompts, parse_request
 from shims.sample_job import SampleJob, SamplingLimits
 from shims.sampling_math import penalized
-from shims.sampling_wire import decode_sample_request
 
 LIMITS = SamplingLimits(vocab_size=512, max_context=64, max_num_samples=8, max_logprobs_k=20)
+OPENAI = OpenAILimits(max_stop=4, max_temperature=2)
+
+
+def job_of(req, prompt=(1, 2, 3), openai=OPENAI) -> SampleJob:
+    return sampling_job(req, list(prompt), LIMITS, openai)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +32,7 @@ def chat(**fields) -> ChatRequest:
 
 @pytest.mark.parametrize("body, param, message", [
     ({"model": "m"}, "messages", "missing required parameter"),
-    ({"model": "m", "messages": [], "tools": []}, "tools", "unsupported parameter"),
+    ({"model": "m", "messages": [], "best_of": 3}, "best_of", "unsupported parameter"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content", "only text content"),
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "invalid value"),
@@ -56,32 +53,72 @@ def test_bad_requests_name_the_parameter(body, param, message):
 ])
 def test_out_of_range_parameters_are_400s(fields, param):
     with pytest.raises(OpenAIError) as info:
-        sample_request(chat(**fields), [1, 2, 3])
+        job_of(chat(**fields))
     assert info.value.status == 400 and info.value.param == param
 
 
 def test_parameters_map_onto_the_tinker_sampling_request():
     req = chat(n=3, temperature=0.5, top_p=0.9, max_tokens=7, max_completion_tokens=5, stop="##", seed=4,
                logprobs=True, top_logprobs=2, presence_penalty=0.5, frequency_penalty=-0.25)
-    sample, penalties = sample_request(req, [1, 2, 3])
-    job = decode_sample_request(sample, LIMITS)
+    job = job_of(req)
     assert (job.prompt, job.num_samples, job.temperature, job.top_p, job.max_tokens) == ((1, 2, 3), 3, 0.5, 0.9, 5)
     assert (job.stop_strings, job.stop_at_eos, job.seed, job.topk_sample_logprobs) == (("##",), True, 4, 2)
-    assert (penalties.presence, penalties.frequency) == (0.5, -0.25)
+    assert (job.presence_penalty, job.frequency_penalty) == (0.5, -0.25)
     # OpenAI's defaults: temperature 1, the end of the model's turn stops, a chat may use the whole context
-    job = decode_sample_request(sample_request(chat(stop=[]), [1, 2, 3])[0], LIMITS)
+    job = job_of(chat(stop=[]))
     assert (job.temperature, job.stop_at_eos, job.stop_strings, job.max_tokens) == (1.0, True, (), 61)
     text = parse_request(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 0})
-    job = decode_sample_request(sample_request(text, [5])[0], LIMITS)
+    job = job_of(text, [5])
     assert job.max_tokens == 16 and job.topk_sample_logprobs == 0  # completions default to 16 tokens
-    with pytest.raises(OpenAIError, match="echo"):
-        sample_request(parse_request(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}), [5])
+
+
+def test_vllm_extensions_map_onto_the_job():
+    job = job_of(chat(min_p=0.1, repetition_penalty=1.3, logit_bias={"7": 5, "9": -100}, stop_token_ids=[4, 5],
+                      ignore_eos=True, top_k=3))
+    assert (job.min_p, job.repetition_penalty, job.logit_bias) == (0.1, 1.3, ((7, 5.0), (9, -100.0)))
+    assert (job.stop_token_ids, job.stop_at_eos, job.top_k) == ((4, 5), False, 3)
+    # echo with logprobs asks the backend for the prompt's logprobs and top-k; max_tokens 0 still samples one token
+    echo = job_of(parse_request(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 3, "max_tokens": 0}))
+    assert (echo.prompt_logprobs, echo.topk_prompt_logprobs, echo.topk_sample_logprobs, echo.max_tokens) == (
+        True, 3, 3, 1)
+    with pytest.raises(OpenAIError, match="max_tokens must be at least 1"):
+        job_of(parse_request(CompletionRequest, {"prompt": "x", "max_tokens": 0}))
+    for bad, param in [({"logit_bias": {"512": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+                       ({"logit_bias": {"3": 101}}, "logit_bias"), ({"stop_token_ids": [600]}, "stop_token_ids"),
+                       ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p")]:
+        with pytest.raises(OpenAIError) as info:
+            job_of(chat(**bad))
+        assert info.value.param == param
+
+
+def test_limits_are_configurable_and_default_to_vllms():
+    many_stops, hot = chat(stop=["a", "b", "c", "d", "e", "f"]), chat(temperature=3.5)
+    assert job_of(many_stops, openai=OpenAILimits()).stop_strings == ("a", "b", "c", "d", "e", "f")
+    assert job_of(hot, openai=OpenAILimits()).temperature == 3.5
+    assert job_of(chat(logprobs=True, top_logprobs=20), openai=OpenAILimits()).topk_sample_logprobs == 20
+    with pytest.raises(OpenAIError, match="up to 4"):
+        job_of(many_stops)
+    with pytest.raises(OpenAIError, match="between 0 and 2"):
+        job_of(hot)
+    with pytest.raises(OpenAIError, match="between 0 and 5"):
+        job_of(parse_request(CompletionRequest, {"prompt": "x", "logprobs": 6}), openai=OpenAILimits(max_logprobs=5))
+
+
+def test_unknown_fields_are_ignored_and_named_but_result_changing_ones_refused():
+    from shims.openai_wire import ignored_fields
+
+    req = chat(store=True, metadata={"a": "b"}, service_tier="auto", best_of=1, modalities=["text"])
+    assert ignored_fields(req) == ["best_of", "metadata", "modalities", "service_tier", "store"]
+    for field, value in [("best_of", 2), ("use_beam_search", True), ("min_tokens", 3), ("suffix", "x")]:
+        with pytest.raises(OpenAIError, match="not supported") as info:
+            chat(**{field: value})
+        assert info.value.param == field
 
 
 def test_prompts_and_messages(vocab):
     assert chat_messages(parse_request(ChatRequest, {"model": "m", "messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "user", "content": "c"}]})) == [{"role": "system", "content": "ab"}, {"role": "user", "content": "c"}]
+        {"role": "user", "content": "c"}]}).messages) == [{"role": "system", "content": "ab"}, {"role": "user", "content": "c"}]
     prompts = {"x y": [vocab.encode("x y")], "": None}
     for prompt, expected in [("x y", prompts["x y"]), (["a", "b"], [vocab.encode("a"), vocab.encode("b")]),
                              ([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]])]:
