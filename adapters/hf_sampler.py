@@ -23,6 +23,7 @@ import torch
 from adapters.adapter_files import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, read_adapter
 from adapters.base_models import resolve_dtype
 from adapters.batching import Coalescer
+from adapters.grammar import ConstrainedSequence, JsonGrammars, check_constraint
 from adapters.lora import LoRALinear, Router, install, with_tied_input_side, wrap_linears
 from adapters.sampler import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
@@ -55,6 +56,8 @@ class _Row:
     """The adapter's slot name, None for the base model."""
     stream: SeededStream
     matcher: StopMatcher
+    grammar: ConstrainedSequence | None
+    """Where the row stands in its job's output constraint, if it has one."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk: list[tuple] = field(default_factory=list)
@@ -88,6 +91,7 @@ class TransformersSampler:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.grammars = JsonGrammars(self.tokenizer, int(config.vocab_size))
         self._facts = SamplerFacts(
             backend="transformers", vocab_size=int(config.vocab_size),
             max_context=min(int(getattr(config, "max_position_embeddings", 2048)), max_model_len or 1 << 62),
@@ -120,6 +124,7 @@ class TransformersSampler:
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
         """Requests waiting when the model becomes free run together as one batch, in a worker thread. Cancelling
         the call stops its sequences: still waiting, it never joins a batch; running, its rows leave the batch."""
+        check_constraint(job.constraint)
         request = _Request(adapter, job, on_token)
         try:
             return await self._batches.submit(request)
@@ -219,11 +224,14 @@ class TransformersSampler:
 
     def _generate(self, requests: list[_Request], names: list[str]) -> list[SampleResult]:
         rows: list[_Row] = []
-        for number, (request, name) in enumerate(zip(requests, names)):
-            for index, stream in enumerate(sequence_streams(request.job, secrets.randbits(62))):
-                rows.append(_Row(number, index, name, stream,
-                                 StopMatcher(request.job, self.eos_ids, self.tokenizer.decode)))
         jobs = [request.job for request in requests]
+        for number, (job, name) in enumerate(zip(jobs, names)):
+            for index, stream in enumerate(sequence_streams(job, secrets.randbits(62))):
+                rows.append(_Row(number, index, name, stream, StopMatcher(job, self.eos_ids, self.tokenizer.decode),
+                                 self.grammars.for_job(job, self.eos_ids)))
+        # The prompts the repetition penalty reads, made into tensors once rather than at every step.
+        prompts = [torch.tensor(job.prompt, device=self.device) if job.repetition_penalty != 1.0 else None
+                   for job in jobs]
         listeners = [request.on_token for request in requests]
         cancels = [request.cancelled for request in requests]
         longest = max(len(jobs[r.request].prompt) for r in rows)
@@ -262,9 +270,12 @@ class TransformersSampler:
                     row.stop_reason = "cancelled"
                     step_tokens.append(self.pad_id)  # never fed: the row leaves the batch below
                     continue
-                logprobs = torch.log_softmax(last[slot].float(), dim=-1)
-                token = choose_token(last[slot], job, row.stream, row.tokens)
+                logprobs = torch.log_softmax(last[slot].float(), dim=-1)  # the model's own, whatever is chosen
+                logits = last[slot] if row.grammar is None else row.grammar.masked(last[slot])
+                token = choose_token(logits, job, row.stream, row.tokens, prompts[row.request])
                 row.tokens.append(token)
+                if row.grammar is not None:
+                    row.grammar.accept(token)
                 self.decoded_tokens += 1
                 row.logprobs.append(float(logprobs[token]))
                 if job.topk_sample_logprobs:
@@ -272,7 +283,7 @@ class TransformersSampler:
                 if listeners[row.request] is not None:
                     ids, lps = row.topk[-1] if job.topk_sample_logprobs else (None, None)
                     listeners[row.request](TokenEvent(row.index, token, row.logprobs[-1], ids, lps))
-                if row.matcher.done(row.tokens):
+                if row.matcher.done(row.tokens) or (row.grammar is not None and row.grammar.terminated):
                     row.stop_reason = "stop"
                 elif len(row.tokens) >= job.max_tokens:
                     row.stop_reason = "length"

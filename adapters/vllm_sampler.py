@@ -4,7 +4,8 @@ vLLM does the batching (continuous batching across every concurrent request and 
 the engine ahead of its request (``add_lora``), so a file that cannot be loaded fails that request alone, as a user
 error, and never enters a batch with others. ``ResidentAdapters`` bounds how many stay loaded and evicts the least
 recently used with ``remove_lora``; a later request for an evicted adapter loads it again. Logprobs are vLLM's raw
-logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens.
+logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens, except
+under an output constraint: vLLM 0.32 masks the logits with the grammar before it computes them.
 
 vLLM runs with its V1 model runner and the corrections of ``adapters.vllm_patches`` (see there why).
 If the engine dies, the request fails as a server error and ``on_engine_dead`` is called: the Ray actor then exits,
@@ -19,12 +20,11 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from adapters.base_models import resolve_dtype
+from adapters.grammar import check_constraint
 from adapters.sampler import (
     Acquired,
     AdapterRef,
@@ -34,9 +34,9 @@ from adapters.sampler import (
     Restarting,
     SamplerFacts,
 )
+from adapters.vllm_results import CollectedOutputs
 from shims.errors import UserError
-from shims.sample_job import PromptScores, SampleJob, SampleResult, SequenceResult, TokenEvent
-from shims.sampling_wire import masked_topk
+from shims.sample_job import OutputConstraint, SampleJob, SampleResult
 
 log = logging.getLogger("compat_server.sampler")
 
@@ -79,6 +79,7 @@ class VLLMSampler:
         # usage statistics sent to vLLM's servers from a self-hosted server, unless the operator says otherwise.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -99,6 +100,9 @@ class VLLMSampler:
             enable_lora=True, max_lora_rank=options.max_lora_rank,
             max_loras=min(options.max_loras, max_resident), max_cpu_loras=max_resident,
             enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=-1, disable_log_stats=True,
+            # xgrammar always, never another engine by vLLM's "auto" choice: the transformers sampler compiles
+            # constraints with xgrammar too (adapters.grammar), so both accept the same texts.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
             worker_extension_cls="adapters.vllm_patches.VLLMCorrections", **extra)
         self.decoded_tokens = 0
         """Every token the engine decoded (from its own per-step statistics), including those of requests whose
@@ -147,6 +151,7 @@ class VLLMSampler:
         if job.target is not None or job.prompt_alt_tokens_k:
             raise UserError("target_prompt_logprobs and prompt_alt_tokens_k are not supported by the vLLM sampler; "
                             "run the server with --sampler-backend transformers for them")
+        check_constraint(job.constraint)
 
     def _params(self, job: SampleJob, streaming: bool):
         from vllm import SamplingParams
@@ -155,18 +160,23 @@ class VLLMSampler:
         wants_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
         return SamplingParams(
             # vLLM raises a temperature in (0, 0.01) to 0.01; below GREEDY_TEMPERATURE every backend takes the argmax.
-            # It refuses n > 1 when greedy: one sequence is decoded and ``_result`` / ``_announce`` copy it.
+            # It refuses n > 1 when greedy: one sequence is decoded and ``CollectedOutputs`` copies it.
             n=1 if job.greedy else job.num_samples, temperature=0.0 if job.greedy else job.temperature,
-            max_tokens=job.max_tokens, top_k=job.top_k or -1,
-            top_p=job.top_p, seed=job.seed, stop=list(job.stop_strings) or None,
-            stop_token_ids=list(job.stop_token_ids) or None, ignore_eos=not job.stop_at_eos,
+            max_tokens=job.max_tokens, top_k=job.top_k or -1, top_p=job.top_p, min_p=job.min_p,
+            seed=job.seed, stop=list(job.stop_strings) or None, stop_token_ids=list(job.stop_token_ids) or None,
+            # A constrained text ends where its grammar does, on an end-of-sequence token (all the grammar allows once
+            # the text is complete), whatever ``stop=[]`` said, as on the transformers sampler.
+            ignore_eos=not job.stop_at_eos and job.constraint is None,
             include_stop_str_in_output=True, logprobs=job.topk_sample_logprobs,
             prompt_logprobs=job.topk_prompt_logprobs if wants_prompt else None,
             presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+            repetition_penalty=job.repetition_penalty, logit_bias=dict(job.logit_bias) or None,
+            structured_outputs=_structured_outputs(job.constraint),
             output_kind=RequestOutputKind.CUMULATIVE if streaming else RequestOutputKind.FINAL_ONLY,
             detokenize=bool(job.stop_strings))
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -179,12 +189,14 @@ class VLLMSampler:
         try:
             if adapter is not None:
                 lora, slot_id = await self._load(adapter)
-            collected = _Collected(job)
+            collected = CollectedOutputs(job)
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(job.prompt)),
                                                      self._params(job, on_token is not None),
                                                      request_id=uuid.uuid4().hex, lora_request=lora):
                 collected.add(output, on_token)
             return collected.result()
+        except VLLMValidationError as exc:  # e.g. a JSON schema using keywords vLLM's xgrammar backend refuses
+            raise UserError(f"the vLLM sampler cannot run this request: {exc}") from None
         except EngineDeadError as exc:
             raise self._engine_died(exc) from None
         finally:
@@ -246,6 +258,18 @@ class VLLMSampler:
                     await self._freed.wait()
 
 
+def _structured_outputs(constraint: OutputConstraint | None):
+    """vLLM's form of an output constraint. Its ``json_object`` compiles ``adapters.grammar.JSON_OBJECT_SCHEMA``, as
+    the transformers sampler does for a constraint without a schema."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint is None:
+        return None
+    if constraint.json_schema is None:
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=constraint.json_schema)
+
+
 def _token_counter(sampler: VLLMSampler):
     """A vLLM stat logger (its only per-step hook) that adds each step's decoded tokens to ``sampler``; vLLM's own
     periodic log lines stay off (``disable_log_stats``)."""
@@ -276,93 +300,3 @@ def _check_adapter(adapter: AdapterRef, max_rank: int) -> None:
                         f"({type(exc).__name__})") from None
     if rank > max_rank:
         raise UserError(f"LoRA rank {rank} of {adapter.key} exceeds this sampler's --max-lora-rank {max_rank}")
-
-
-class _Collected:
-    """What one request's stream of vLLM outputs adds up to. A streamed (cumulative) output for ``n > 1`` holds only
-    the sequences that moved in that step, so each sequence's latest state is kept by its index."""
-
-    def __init__(self, job: SampleJob) -> None:
-        self.job = job
-        self.latest: dict[int, object] = {}
-        self.sent: dict[int, int] = {}
-        self.prompt_logprobs = None
-        self.cached_tokens = 0
-
-    def add(self, output, on_token: OnToken | None) -> None:
-        if output.prompt_logprobs is not None:
-            self.prompt_logprobs = output.prompt_logprobs
-        self.cached_tokens = int(getattr(output, "num_cached_tokens", 0) or 0) or self.cached_tokens
-        for completion in output.outputs:
-            self.latest[completion.index] = completion
-            if on_token is not None:
-                self._announce(completion, on_token)
-
-    def _announce(self, completion, on_token: OnToken) -> None:
-        """Report the tokens of ``completion`` beyond those already reported (a greedy job's one sequence under each
-        of its sample indices)."""
-        job = self.job
-        indices = range(job.num_samples) if job.greedy else (completion.index,)
-        tokens, steps = list(completion.token_ids), completion.logprobs or []
-        for position in range(self.sent.get(completion.index, 0), len(tokens)):
-            token = tokens[position]
-            step = steps[position] if position < len(steps) else {}
-            ids = lps = None
-            if job.topk_sample_logprobs:
-                ids, lps = _topk_rows([step], job.topk_sample_logprobs)
-            logprob = float(step[token].logprob) if token in step else float("nan")
-            for index in indices:
-                on_token(TokenEvent(index, token, logprob, ids, lps))
-        self.sent[completion.index] = len(tokens)
-
-    def result(self) -> SampleResult:
-        """The ``SampleResult``; a greedy job's one sequence is its every sample."""
-        job = self.job
-        expected = 1 if job.greedy else job.num_samples
-        if sorted(self.latest) != list(range(expected)):
-            raise RuntimeError(f"vLLM returned sequences {sorted(self.latest)} of {expected}")
-        sequences = []
-        for index in range(expected):
-            completion = self.latest[index]
-            if completion.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM ended a sequence with {completion.finish_reason!r}")
-            tokens = list(completion.token_ids)
-            steps = completion.logprobs or []
-            seq = SequenceResult(tokens=tokens, logprobs=[float(step[t].logprob) for t, step in zip(tokens, steps)],
-                                 stop_reason=completion.finish_reason)
-            if job.topk_sample_logprobs:
-                seq.topk_ids, seq.topk_logprobs = _topk_rows(steps, job.topk_sample_logprobs)
-            sequences.append(seq)
-        if job.greedy:
-            sequences = [replace(sequences[0]) for _ in range(job.num_samples)]
-        return SampleResult(sequences=sequences, prompt=self._prompt_scores(),
-                            prompt_cache_hit_tokens=self.cached_tokens)
-
-    def _prompt_scores(self) -> PromptScores:
-        job, scores = self.job, PromptScores()
-        if self.prompt_logprobs is None:
-            return scores
-        n, first = len(job.prompt), job.first_scored
-        values = np.full(n, np.nan, dtype=np.float32)
-        for i in range(first, n):
-            values[i] = self.prompt_logprobs[i][job.prompt[i]].logprob
-        scores.logprobs = values
-        if job.topk_prompt_logprobs:
-            ids, lps = _topk_rows(self.prompt_logprobs, job.topk_prompt_logprobs)
-            masked_ids, masked_lps = masked_topk(first, job.topk_prompt_logprobs)
-            ids[:first], lps[:first] = masked_ids, masked_lps
-            scores.topk_ids, scores.topk_logprobs = ids, lps
-        return scores
-
-
-def _topk_rows(steps, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """vLLM gives each position a dict {token id: Logprob(logprob, rank)} holding the top-k plus the chosen token;
-    keep the k best ranks, in rank order."""
-    ids, lps = masked_topk(len(steps), k)
-    for i, step in enumerate(steps):
-        if not step:
-            continue
-        best = sorted(step.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)[:k]
-        for j, (token, logprob) in enumerate(best):
-            ids[i, j], lps[i, j] = token, logprob.logprob
-    return ids, lps

@@ -14,7 +14,7 @@ import numpy as np
 @dataclass(frozen=True)
 class OutputConstraint:
     """What a constrained sequence must be: JSON matching ``json_schema`` (JSON Schema text), or, when it is None,
-    any JSON value (OpenAI's ``json_object`` mode; vLLM's ``json_object``). Backends compile it with xgrammar, the
+    any JSON object (OpenAI's ``json_object`` mode; vLLM's ``json_object``). Backends compile it with xgrammar, the
     grammar engine vLLM itself uses, so both backends accept exactly the same texts."""
 
     json_schema: str | None = None

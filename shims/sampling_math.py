@@ -1,5 +1,6 @@
 """The arithmetic of sampling, shared by every backend that computes logits itself: choosing the next token under
-temperature / top-k / top-p with a per-sequence random generator, scoring the prompt, and matching stop strings.
+logit bias, penalties, temperature, min-p, top-k and top-p with a per-sequence random generator, scoring the prompt,
+and matching stop strings. Each step is where vLLM's sampler has it, so a request means the same on every backend.
 
 Pure torch on tensors the caller provides; no model, no I/O.
 """
@@ -37,11 +38,16 @@ def sequence_streams(job: SampleJob, fallback_seed: int) -> list[SeededStream]:
     return [SeededStream(base * 1_000_003 + i) for i in range(job.num_samples)]
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The sampling distribution over one row of logits: temperature, then top-k, then top-p (nucleus) filtering.
-    The most likely token always keeps its place, so no ``top_p`` (however small) leaves nothing to draw from."""
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                   min_p: float = 0.0) -> torch.Tensor:
+    """The sampling distribution over one row of logits: temperature, then min-p, top-k and top-p (nucleus)
+    filtering, in vLLM's order. The most likely token always keeps its place, so no ``top_p`` (however small) leaves
+    nothing to draw from."""
     logits = logits.float()
     scaled = (logits - logits.max()) / temperature  # shifted first: a small temperature cannot overflow to inf
+    if min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -57,23 +63,40 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return probs
 
 
-def penalized(logits: torch.Tensor, job: SampleJob, previous: Sequence[int]) -> torch.Tensor:
-    """OpenAI's presence / frequency penalties over the tokens this sequence has sampled so far."""
-    if not (job.presence_penalty or job.frequency_penalty) or not previous:
+def penalized(logits: torch.Tensor, job: SampleJob, previous: Sequence[int],
+              prompt: torch.Tensor | None = None) -> torch.Tensor:
+    """One row of logits with the job's ``logit_bias`` added, then (over the tokens this sequence has seen) vLLM's
+    repetition penalty and OpenAI's frequency / presence penalties, vLLM's order. ``prompt``: the prompt's token ids
+    as a tensor on the logits' device, when the caller keeps one, so a long prompt is not converted at every step;
+    else they come from ``job.prompt``."""
+    repeating = job.repetition_penalty != 1.0
+    if not (job.logit_bias or repeating or (previous and (job.presence_penalty or job.frequency_penalty))):
         return logits
-    ids, counts = torch.unique(torch.tensor(previous, device=logits.device), return_counts=True)
+    device = logits.device
     out = logits.float().clone()
-    out[ids] -= job.frequency_penalty * counts.float() + job.presence_penalty
+    if job.logit_bias:
+        bias = dict(job.logit_bias)  # a token named twice takes its last bias, as vLLM's dict does
+        out[torch.tensor(list(bias), device=device)] += torch.tensor(list(bias.values()), device=device)
+    sampled = torch.tensor(previous, dtype=torch.long, device=device)
+    if repeating:
+        seen = torch.cat([prompt if prompt is not None else torch.tensor(job.prompt, device=device), sampled])
+        seen = torch.unique(seen)
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / job.repetition_penalty, values * job.repetition_penalty)
+    if previous and (job.presence_penalty or job.frequency_penalty):
+        ids, counts = torch.unique(sampled, return_counts=True)
+        out[ids] -= job.frequency_penalty * counts.float() + job.presence_penalty
     return out
 
 
-def choose_token(logits: torch.Tensor, job: SampleJob, stream: SeededStream, previous: Sequence[int] = ()) -> int:
-    """Pick the next token from one row of logits: argmax when the job is greedy, else a draw from ``filtered_probs``;
-    penalties (if any) first."""
-    logits = penalized(logits, job, previous)
+def choose_token(logits: torch.Tensor, job: SampleJob, stream: SeededStream, previous: Sequence[int] = (),
+                 prompt: torch.Tensor | None = None) -> int:
+    """Pick the next token from one row of logits: ``penalized`` first, then the argmax when the job is greedy, else a
+    draw from ``filtered_probs``. ``prompt``: as for ``penalized``."""
+    logits = penalized(logits, job, previous, prompt)
     if job.greedy:
         return int(torch.argmax(logits))
-    probs = filtered_probs(logits, job.temperature, job.top_k, job.top_p)
+    probs = filtered_probs(logits, job.temperature, job.top_k, job.top_p, job.min_p)
     return int(torch.multinomial(probs, 1, generator=stream.on(probs.device)))
 
 
@@ -90,11 +113,14 @@ def score_prompt(logprobs: torch.Tensor, job: SampleJob, stream: SeededStream) -
     first = job.first_scored
     if job.prompt_logprobs:
         values = np.full(n, np.nan, dtype=np.float32)
+        ranks = np.zeros(n, dtype=np.int64)
         if n > 1:
             targets = torch.tensor(job.prompt[1:], device=logprobs.device).unsqueeze(1)
-            values[1:] = logprobs.gather(1, targets).squeeze(1).float().cpu().numpy()
+            own = logprobs.gather(1, targets)
+            values[1:] = own.squeeze(1).float().cpu().numpy()
+            ranks[1:] = ((logprobs > own).sum(dim=1) + 1).cpu().numpy()  # 1 + how many tokens were likelier
         values[:first] = np.nan
-        scores.logprobs = values
+        scores.logprobs, scores.ranks = values, ranks
     if job.topk_prompt_logprobs:
         ids, values = masked_topk(n, job.topk_prompt_logprobs)
         if n > 1:

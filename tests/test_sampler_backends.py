@@ -1,9 +1,12 @@
 """Each sampler backend that can run on this machine, in-process: adapters against a transformers + peft reference,
-mixed-adapter batches, LRU eviction with transparent reload, and batching of concurrent requests."""
+mixed-adapter batches, LRU eviction with transparent reload, batching of concurrent requests, and the sampling
+extensions (logit bias, repetition penalty, min-p, JSON-constrained output) meaning the same on each."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +15,8 @@ import torch
 
 from adapters.sampler import AdapterRef
 from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer
-from shims.sample_job import SampleJob
+from shims.errors import UserError
+from shims.sample_job import OutputConstraint, SampleJob
 from shims.training_wire import DatumArrays
 from tests.helpers import logprob_tolerance, reference_peft_model, skip_without_vllm
 
@@ -315,3 +319,114 @@ def test_evicted_adapter_reloads_transparently(make_sampler, adapters):
     assert again.sequences[0].tokens == first.sequences[0].tokens
     np.testing.assert_allclose(again.prompt.logprobs[1:], first.prompt.logprobs[1:], atol=1e-5)
     assert not np.allclose(other.prompt.logprobs[1:], first.prompt.logprobs[1:], atol=1e-4)
+
+
+SCHEMA = {"type": "object", "required": ["name", "age", "colour"],
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "colour": {"enum": ["red", "green", "blue"]}}}
+"""A name by ``pattern`` rather than ``maxLength``: xgrammar 0.2.8 compiles a length-bounded string to any characters
+but quote, backslash and line breaks, so raw control characters (which JSON forbids in a string) pass it, on both
+backends, and a model of random weights soon writes one."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def without_whitespace(tokenizer) -> tuple[tuple[int, float], ...]:
+    """A logit bias keeping the tiny model off whitespace: JSON allows any amount between its tokens, and a model of
+    random weights picks a whitespace token so often that its texts would rarely end within a test's budget."""
+    return tuple((token, -100.0) for token in range(len(tokenizer)) if not tokenizer.decode([token]).strip())
+
+
+def test_a_json_schema_constraint_gives_texts_the_schema_accepts(make_sampler, tokenizer):
+    """At temperature 1 from a model of random weights, every sample is JSON the schema accepts, ended by the
+    end-of-sequence token (the only token the grammar allows once the object is complete); with ``stop=[]``, which
+    otherwise samples on past the end-of-sequence token, it ends there too."""
+    import jsonschema
+
+    sampler = make_sampler()
+    for stop_at_eos, samples in ((True, 4), (False, 2)):
+        job = SampleJob(prompt=PROMPT, num_samples=samples, max_tokens=200, temperature=1.0, seed=4,
+                        stop_at_eos=stop_at_eos, logit_bias=without_whitespace(tokenizer),
+                        constraint=OutputConstraint(json.dumps(SCHEMA)))
+        result = run(sampler.sample(None, job))
+        assert len(result.sequences) == samples
+        for seq in result.sequences:
+            assert seq.stop_reason == "stop" and seq.tokens[-1] == tokenizer.eos_token_id, seq
+            jsonschema.validate(json.loads(tokenizer.decode(seq.tokens[:-1])), SCHEMA)
+    if make_sampler.backend == "transformers":  # vLLM 0.32 computes its raw logprobs after the grammar's mask
+        forced = run(sampler.sample(None, scoring_job(constraint=OutputConstraint(json.dumps(SCHEMA))))).sequences[0]
+        free = run(sampler.sample(None, scoring_job_for(PROMPT + tuple(forced.tokens[:1])))).prompt.logprobs[-1]
+        assert forced.logprobs[0] == pytest.approx(float(free), abs=1e-4) and free < -1  # "{", forced, is not 0
+
+
+def test_a_constraint_without_a_schema_gives_json_objects(make_sampler, tokenizer):
+    """Any JSON object, each text ending at the end-of-sequence token: here of whatever keys and values the random
+    model drew, with quotes and the closing brace made likely so that its strings and objects end."""
+    sampler = make_sampler()
+    likely = ((tokenizer.convert_tokens_to_ids('"'), 6.0), (tokenizer.convert_tokens_to_ids("}"), 4.0))
+    job = SampleJob(prompt=PROMPT, num_samples=4, max_tokens=60, temperature=1.0, seed=2,
+                    logit_bias=without_whitespace(tokenizer) + likely, constraint=OutputConstraint(None))
+    for seq in run(sampler.sample(None, job)).sequences:
+        assert seq.stop_reason == "stop" and seq.tokens[-1] == tokenizer.eos_token_id, seq
+        assert isinstance(json.loads(tokenizer.decode(seq.tokens[:-1])), dict)
+    free = run(sampler.sample(None, SampleJob(prompt=PROMPT, max_tokens=8, temperature=1.0, seed=2,
+                                              logit_bias=job.logit_bias)))
+    with pytest.raises(ValueError):  # the same request unconstrained: no JSON
+        json.loads(tokenizer.decode(free.sequences[0].tokens))
+
+
+def test_an_invalid_schema_fails_its_request_as_a_user_error(make_sampler):
+    sampler = make_sampler()
+    for schema, message in (("{not json", "not valid JSON"), ('{"type": "nope"}', "cannot be used")):
+        with pytest.raises(UserError, match=message):
+            run(sampler.sample(None, SampleJob(prompt=PROMPT, constraint=OutputConstraint(schema))))
+
+
+def test_logit_bias_excludes_and_forces_tokens(make_sampler):
+    sampler = make_sampler()
+    plain = run(sampler.sample(None, SampleJob(prompt=PROMPT, max_tokens=6, temperature=0.0, stop_at_eos=False)))
+    first = plain.sequences[0].tokens[0]
+    unlikely = next(t for t in range(300, sampler.facts().vocab_size) if t not in plain.sequences[0].tokens)
+
+    def greedy(bias):
+        job = SampleJob(prompt=PROMPT, max_tokens=6, temperature=0.0, stop_at_eos=False, logit_bias=bias)
+        return run(sampler.sample(None, job)).sequences[0].tokens
+
+    assert greedy(((first, -100.0),))[0] != first
+    assert greedy(((unlikely, 100.0),)) == [unlikely] * 6
+
+
+def test_a_repetition_penalty_avoids_the_prompt_and_the_tokens_already_sampled(make_sampler):
+    """A bias makes a prompt token the argmax at every step, and another token the runner-up. A huge repetition
+    penalty sends the prompt token (seen in the prompt) to about 0, so the runner-up comes first, then (seen in the
+    output) is sent there too; every token after it is new."""
+    sampler = make_sampler()
+    seen, runner_up = PROMPT[0], next(t for t in range(300, sampler.facts().vocab_size) if t not in PROMPT)
+    bias = ((seen, 10.0), (runner_up, 7.0))
+    job = SampleJob(prompt=PROMPT, max_tokens=8, temperature=0.0, stop_at_eos=False, logit_bias=bias)
+    assert run(sampler.sample(None, job)).sequences[0].tokens == [seen] * 8
+    penalised = run(sampler.sample(None, replace(job, repetition_penalty=1e4))).sequences[0].tokens
+    assert penalised[0] == runner_up and len(set(penalised)) == 8 and not set(penalised) & set(PROMPT), penalised
+
+
+def test_min_p_is_measured_at_the_sampling_temperature(make_sampler):
+    """A bias of +7.5 gives one token ~3/4 of the draws at temperature 1 (the tiny model's own logits lie within
+    about ±1.1): min_p 0.01 then keeps it alone, since every other token has less than e^(-5.3) of its probability.
+    At temperature 2 (vLLM's highest) most have more than e^(-4.3) of it, so min_p 0.01 keeps them and they are
+    drawn."""
+    sampler = make_sampler()
+    favoured = next(t for t in range(300, sampler.facts().vocab_size) if t not in PROMPT)
+
+    def tokens(temperature, min_p):
+        job = SampleJob(prompt=PROMPT, num_samples=4, max_tokens=16, temperature=temperature, min_p=min_p, seed=6,
+                        stop_at_eos=False, logit_bias=((favoured, 7.5),))
+        return {token for seq in run(sampler.sample(None, job)).sequences for token in seq.tokens}
+
+    assert tokens(1.0, 0.01) == {favoured}
+    assert len(tokens(1.0, 0.0)) > 1 and len(tokens(2.0, 0.01)) > 1

@@ -14,7 +14,15 @@ from tinker.proto.response_conv import deserialize_sample_response
 from adapters.sampler import AdapterRef, AllAdaptersBusy, ResidentAdapters
 from shims.errors import UserError
 from shims.sample_job import PromptScores, SampleJob, SampleResult, SamplingLimits, SequenceResult
-from shims.sampling_math import SeededStream, StopMatcher, choose_token, filtered_probs, score_prompt, sequence_streams
+from shims.sampling_math import (
+    SeededStream,
+    StopMatcher,
+    choose_token,
+    filtered_probs,
+    penalized,
+    score_prompt,
+    sequence_streams,
+)
 from shims.sampling_wire import decode_sample_request, encode_sample_response
 
 LIMITS = SamplingLimits(vocab_size=50, max_context=64, max_num_samples=8, max_logprobs_k=5)
@@ -133,14 +141,16 @@ def test_encoded_response_reads_back_with_the_sdk():
     assert answer.prompt_cache_hit_tokens == 2
 
 
-def reference_filter(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Independent formulation: sort once, keep the top-k, then the shortest prefix with mass ≥ top_p."""
+def reference_filter(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """Independent formulation: sort once, keep the tokens of at least min_p × the top probability (at this
+    temperature), then the top-k of those, then the shortest prefix with mass ≥ top_p."""
     z = logits / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
     order = np.argsort(-z, kind="stable")
     keep = np.zeros_like(p, dtype=bool)
-    allowed = order[:top_k] if top_k > 0 else order
+    allowed = np.array([token for token in order if p[token] >= min_p * p.max()])
+    allowed = allowed[:top_k] if top_k > 0 else allowed
     renorm = p[allowed] / p[allowed].sum()
     mass = 0.0
     for token, q in zip(allowed, renorm):
@@ -158,6 +168,75 @@ def test_filtered_probs_match_reference(temperature, top_k, top_p):
     logits = torch.randn(40, generator=torch.Generator().manual_seed(int(temperature * 10 + top_k)))
     got = filtered_probs(logits, temperature, top_k, top_p).numpy()
     np.testing.assert_allclose(got, reference_filter(logits.double().numpy(), temperature, top_k, top_p), atol=1e-6)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [(1.0, 0, 1.0, 0.1), (0.5, 0, 1.0, 0.1),
+                                                                      (3.0, 0, 1.0, 0.1), (1.0, 6, 0.7, 0.05),
+                                                                      (1.3, 20, 0.9, 0.3), (1.0, 0, 1.0, 1.0)])
+def test_min_p_filters_after_temperature_and_before_top_k_and_top_p(temperature, top_k, top_p, min_p):
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(int(temperature * 10 + top_k))) * 2
+    got = filtered_probs(logits, temperature, top_k, top_p, min_p).numpy()
+    expected = reference_filter(logits.double().numpy(), temperature, top_k, top_p, min_p)
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    assert 0 < np.count_nonzero(got) < logits.numel()  # the filter did something, and left something
+
+
+def test_min_p_is_measured_at_the_sampling_temperature():
+    """Relative to the top token, the others have e^(-2), e^(-4), e^(-7) of its probability at temperature 1, all
+    below min_p 0.2; at temperature 3, e^(-2/3) ≈ 0.51 and e^(-4/3) ≈ 0.26 pass and e^(-7/3) ≈ 0.10 does not."""
+    logits = torch.tensor([4.0, 2.0, 0.0, -3.0])
+    cold, hot = filtered_probs(logits, 1.0, 0, 1.0, 0.2), filtered_probs(logits, 3.0, 0, 1.0, 0.2)
+    assert cold.nonzero().flatten().tolist() == [0]
+    assert hot.nonzero().flatten().tolist() == [0, 1, 2]
+
+
+def reference_penalized(logits: np.ndarray, prompt, previous, bias, repetition: float, presence: float,
+                        frequency: float) -> np.ndarray:
+    """Written from vLLM's documentation: the logit bias first (a token named twice takes its last bias); then
+    every token of the prompt or the output so far has a positive logit divided by the repetition penalty and a
+    negative one multiplied by it; then the OpenAI penalties over the output's counts."""
+    z = logits.astype(np.float64).copy()
+    for token, value in dict(bias).items():
+        z[token] += value
+    for token in set(prompt) | set(previous):
+        z[token] = z[token] / repetition if z[token] > 0 else z[token] * repetition
+    for token in set(previous):
+        z[token] -= frequency * previous.count(token) + presence
+    return z
+
+
+@pytest.mark.parametrize(("repetition", "bias", "presence", "frequency"), [
+    (1.3, (), 0.0, 0.0), (0.6, (), 0.0, 0.0), (1.0, ((3, 2.5), (7, -1.0), (3, -4.0)), 0.0, 0.0),
+    (2.0, ((0, 1.5), (12, -0.5)), 0.4, 0.3), (1.0, (), 0.5, 0.25),
+])
+def test_penalties_and_logit_bias_match_reference(repetition, bias, presence, frequency):
+    logits = torch.randn(20, generator=torch.Generator().manual_seed(9)) * 3
+    prompt, previous = (1, 2, 3, 2, 15), [4, 3, 4, 9, 4]
+    assert (logits[list(prompt + tuple(previous))] < 0).any() and (logits[list(prompt)] > 0).any()  # both signs
+    job = SampleJob(prompt=prompt, repetition_penalty=repetition, logit_bias=bias, presence_penalty=presence,
+                    frequency_penalty=frequency)
+    before = logits.clone()
+    expected = reference_penalized(logits.double().numpy(), prompt, previous, bias, repetition, presence, frequency)
+    np.testing.assert_allclose(penalized(logits, job, previous).numpy(), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(penalized(logits, job, previous, torch.tensor(prompt)).numpy(), expected, rtol=1e-6,
+                               atol=1e-6)
+    assert torch.equal(logits, before)  # the caller's logits are left as they were
+
+
+def test_a_repetition_penalty_pushes_negative_logits_further_down():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    out = penalized(logits, SampleJob(prompt=(0, 1), repetition_penalty=2.0), [])
+    assert out.tolist() == [1.0, -4.0, 1.0, -1.0]  # prompt tokens only: 2 / 2 and -2 × 2
+
+
+def test_a_logit_bias_of_minus_100_excludes_a_token_and_plus_100_forces_one():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(2)) * 3
+    best, other = int(torch.argmax(logits)), int(torch.argmin(logits))
+    for temperature in (0.0, 1.0, 2.0):
+        banned = SampleJob(prompt=(1,), num_samples=4, seed=1, temperature=temperature, logit_bias=((best, -100.0),))
+        forced = SampleJob(prompt=(1,), num_samples=4, seed=1, temperature=temperature, logit_bias=((other, 100.0),))
+        assert all(choose_token(logits, banned, g) != best for g in sequence_streams(banned, 0) for _ in range(50))
+        assert all(choose_token(logits, forced, g) == other for g in sequence_streams(forced, 0) for _ in range(50))
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-6, 9.9e-6])
@@ -280,12 +359,17 @@ def test_the_sampling_arithmetic_runs_on_the_device_of_its_tensors(device):
     cpu_logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(5)) * 3
     logits = cpu_logits.to(device)
     job = SampleJob(prompt=(3, 7, 1, 9, 4, 2, 8), num_samples=2, seed=11, top_k=5, top_p=0.9, temperature=0.8,
-                    presence_penalty=0.5, prompt_logprobs=True, topk_prompt_logprobs=3,
-                    target=TargetIds(ids=np.array([[1, -1]] * 6)), prompt_alt_tokens_k=4)
+                    presence_penalty=0.5, repetition_penalty=1.4, logit_bias=((5, 2.0), (6, -1.0)), min_p=0.05,
+                    prompt_logprobs=True, topk_prompt_logprobs=3, target=TargetIds(ids=np.array([[1, -1]] * 6)),
+                    prompt_alt_tokens_k=4)
+    cpu_penalized = penalized(cpu_logits[0], job, [1, 2])
+    np.testing.assert_allclose(penalized(logits[0], job, [1, 2]).cpu().numpy(), cpu_penalized.numpy(), atol=1e-5)
+    np.testing.assert_allclose(filtered_probs(logits[0], 0.8, 5, 0.9, 0.05).cpu().numpy(),
+                               filtered_probs(cpu_logits[0], 0.8, 5, 0.9, 0.05).numpy(), atol=1e-5)
     draws = [[choose_token(logits[0], job, stream, [1, 2]) for _ in range(10)] for stream in sequence_streams(job, 0)]
     again = [[choose_token(logits[0], job, stream, [1, 2]) for _ in range(10)] for stream in sequence_streams(job, 0)]
     assert draws == again
-    allowed = set(np.argsort(-cpu_logits[0].numpy())[:5].tolist())
+    allowed = set(np.argsort(-cpu_penalized.numpy())[:5].tolist())
     assert {token for row in draws for token in row} <= allowed
     scores = score_prompt(torch.log_softmax(logits, dim=-1), job, SeededStream(1))
     reference = score_prompt(torch.log_softmax(cpu_logits, dim=-1), job, SeededStream(1))
