@@ -11,11 +11,13 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from compat_server import telemetry
+from compat_server.anthropic_routes import ANTHROPIC_ROUTER
 from compat_server.auth import provide_owner
 from compat_server.config import ServerConfig
 from compat_server.dashboard_routes import DASHBOARD_ROUTES
 from compat_server.openai_routes import OPENAI_ROUTER, openai_error
 from compat_server.quotas import TooManyRequests
+from compat_server.responses_routes import RESPONSES_ROUTER
 from compat_server.services import Services, start_services
 from compat_server.serving_routes import SERVING_ROUTER
 from compat_server.tinker import ROUTES as TINKER_ROUTES
@@ -82,7 +84,8 @@ def create_app(config: ServerConfig) -> Litestar:
 
     plugins = [telemetry.litestar_plugin()] if telemetry.setup(config.otlp_endpoint) else []
     return Litestar(
-        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER, SERVING_ROUTER, *DASHBOARD_ROUTES],
+        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER, RESPONSES_ROUTER, ANTHROPIC_ROUTER, SERVING_ROUTER,
+                        *DASHBOARD_ROUTES],
         plugins=plugins,
         on_startup=[startup],
         on_shutdown=[shutdown],

@@ -43,14 +43,14 @@ async def _answer(request: Request, services: Services, owner: str, chat: bool) 
     if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
         return Stream(stream(completions, prepared), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-    answer = await _unless_disconnected(request, completions.complete(prepared))
+    answer = await unless_disconnected(request, completions.complete(prepared))
     if answer is None:
         log.info("%s went away before its answer; its sampling was cancelled", prepared.id)
         return Response(None, status_code=CLIENT_CLOSED)
     return Response(answer, headers=headers)
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | None:
+async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | None:
     """``work``'s result, or None after cancelling it if the client disconnects first (a timed-out SDK call, a
     closed app): the samplers then stop decoding for nobody, as vLLM's server does."""
     task = asyncio.ensure_future(work)

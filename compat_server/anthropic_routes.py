@@ -1,0 +1,78 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``), for the unmodified ``anthropic`` SDK:
+HTTP only. A request becomes an OpenAI chat body (``shims.anthropic_wire``) and samples through the same
+``CompletionsService`` as the OpenAI routes; the answer, whole or streamed, is re-shaped (``shims.anthropic_out``).
+
+Errors use Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, so the SDK raises its own typed
+exceptions: 401 for a bad key, 404 for an unknown model, 400 for a bad parameter, 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response, Router, post
+from litestar.di import NamedDependency
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
+from litestar.response import Stream
+
+from compat_server.completion_stream import stream
+from compat_server.openai_routes import CLIENT_CLOSED, openai_error, unless_disconnected
+from compat_server.quotas import TooManyRequests
+from compat_server.services import Services
+from shims.anthropic_out import MessageStream, error_body, message
+from shims.anthropic_wire import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_body,
+    ignored_fields,
+    parse_request,
+    prompt_body,
+)
+from shims.errors import NotFound, UserError
+from shims.openai_errors import OpenAIError
+
+log = logging.getLogger("compat_server.anthropic")
+
+
+@post("/messages", status_code=200)
+async def create_message(request: Request, owner: NamedDependency[str],
+                         services: NamedDependency[Services]) -> Response | Stream:
+    req = parse_request(MessagesRequest, await request.json())
+    completions = services.completions
+    prepared = completions.prepare(owner, chat_body(req), chat=True)
+    stops = req.stop_sequences or []
+    ignored = ignored_fields(req)
+    headers = {"X-Ignored-Fields": ", ".join(ignored)} if ignored else {}
+    if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
+        events = MessageStream(stops, prepared.prompt_tokens).translate
+        return Stream(stream(completions, prepared, events), media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    answer = await unless_disconnected(request, completions.complete(prepared))
+    if answer is None:
+        log.info("%s went away before its answer; its sampling was cancelled", prepared.id)
+        return Response(None, status_code=CLIENT_CLOSED)
+    return Response(message(answer, stops), headers=headers)
+
+
+@post("/messages/count_tokens", status_code=200)
+async def count_tokens(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
+    """The rendered prompt's length: what ``usage.input_tokens`` of the same request will say."""
+    req = parse_request(CountTokensRequest, await request.json())
+    return {"input_tokens": services.completions.prepare(owner, prompt_body(req), chat=True).prompt_tokens}
+
+
+def anthropic_error(request: Request, exc: Exception) -> Response:
+    """Any error, classified (status, message, ``Retry-After``) as on the OpenAI routes, answered in Anthropic's
+    shape."""
+    answer = openai_error(request, exc)
+    return Response(error_body(answer.status_code, answer.content["error"]["message"]),
+                    status_code=answer.status_code, headers=answer.headers)
+
+
+ANTHROPIC_ROUTER = Router(
+    path="/v1", route_handlers=[create_message, count_tokens],
+    # Every class the app maps to the Tinker shape is named again here, so these routes answer in Anthropic's shape.
+    exception_handlers={cls: anthropic_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
+                                                          HTTPException, ValidationException, SerializationException,
+                                                          Exception)},
+)
