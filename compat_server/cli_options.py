@@ -117,9 +117,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "logprobs, chat's top_logprobs, prompt_logprobs); vLLM's default (default: %(default)s)")
     parser.add_argument("--max-stop-strings", type=int, default=None,
                         help="OpenAI routes: most stop strings in one request (default: no limit, as in vLLM)")
-    parser.add_argument("--max-temperature", type=float, default=None,
-                        help="OpenAI routes: highest temperature accepted (default: any, as in vLLM; OpenAI's own "
-                             "API stops at 2)")
+    parser.add_argument("--max-temperature", type=float, default=d.max_temperature,
+                        help="OpenAI routes: highest temperature accepted, as in vLLM and OpenAI's API; a higher "
+                             "value works with --sampler-backend transformers only (default: %(default)s)")
     parser.add_argument("--client-side-custom-losses", action="store_true",
                         help="run custom losses (ServiceClient.create_custom_loss) in the client, as the SDK does "
                              "without server support: a forward, the loss on the client, then a backward. By "

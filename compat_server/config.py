@@ -61,8 +61,9 @@ class ServerConfig:
     """OpenAI routes: most ``stop`` strings in one request (None: no limit, as in vLLM)."""
     max_logprobs: int = 20
     """OpenAI routes: most logprobs per position (``logprobs``, ``top_logprobs``, ``prompt_logprobs``); vLLM's 20."""
-    max_temperature: float | None = None
-    """OpenAI routes: the highest ``temperature`` accepted (None: any, as in vLLM)."""
+    max_temperature: float | None = 2.0
+    """OpenAI routes: the highest ``temperature`` accepted (vLLM's 2; None: any, which only the transformers sampler
+    can run: vLLM itself refuses more than 2)."""
     custom_loss_server_side: bool = True
     """Custom losses made with ``create_custom_loss`` run in the trainer, in one forward_backward (client/config's
     ``custom_loss_server_side``); off, the SDK runs them client-side (a forward, then a backward)."""

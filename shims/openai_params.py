@@ -27,12 +27,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 @dataclass(frozen=True)
 class OpenAILimits:
-    """Server options bounding OpenAI requests. The defaults are vLLM's: no cap on the number of stop strings or on
-    the temperature, and at most 20 logprobs per position (vLLM's ``--max-logprobs``)."""
+    """Server options bounding OpenAI requests. The defaults are vLLM's: no cap on the number of stop strings, a
+    temperature of at most 2, and at most 20 logprobs per position (vLLM's ``--max-logprobs``)."""
 
     max_stop: int | None = None
     max_logprobs: int = 20
-    max_temperature: float | None = None
+    max_temperature: float | None = 2.0
 
 
 def _in_range(value: float | None, low: float, high: float | None, param: str) -> None:

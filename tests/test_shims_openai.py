@@ -94,12 +94,12 @@ def test_vllm_extensions_map_onto_the_job():
 def test_limits_are_configurable_and_default_to_vllms():
     many_stops, hot = chat(stop=["a", "b", "c", "d", "e", "f"]), chat(temperature=3.5)
     assert job_of(many_stops, openai=OpenAILimits()).stop_strings == ("a", "b", "c", "d", "e", "f")
-    assert job_of(hot, openai=OpenAILimits()).temperature == 3.5
+    assert job_of(hot, openai=OpenAILimits(max_temperature=None)).temperature == 3.5
     assert job_of(chat(logprobs=True, top_logprobs=20), openai=OpenAILimits()).topk_sample_logprobs == 20
     with pytest.raises(OpenAIError, match="up to 4"):
         job_of(many_stops)
     with pytest.raises(OpenAIError, match="between 0 and 2"):
-        job_of(hot)
+        job_of(hot, openai=OpenAILimits())
     with pytest.raises(OpenAIError, match="between 0 and 5"):
         job_of(parse_request(CompletionRequest, {"prompt": "x", "logprobs": 6}), openai=OpenAILimits(max_logprobs=5))
 
