@@ -8,16 +8,11 @@ exceptions: 401 for a bad key, 404 for an unknown model, 400 for a bad parameter
 
 from __future__ import annotations
 
-import logging
-
 from litestar import Request, Response, Router, post
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException, SerializationException, ValidationException
 from litestar.response import Stream
 
-from compat_server.completion_stream import stream
-from compat_server.openai_routes import CLIENT_CLOSED, openai_error, unless_disconnected
-from compat_server.quotas import TooManyRequests
+from compat_server.openai_routes import ERROR_CLASSES, openai_error, respond
 from compat_server.services import Services
 from shims.anthropic_out import MessageStream, error_body, message
 from shims.anthropic_wire import (
@@ -28,10 +23,6 @@ from shims.anthropic_wire import (
     parse_request,
     prompt_body,
 )
-from shims.errors import NotFound, UserError
-from shims.openai_errors import OpenAIError
-
-log = logging.getLogger("compat_server.anthropic")
 
 
 @post("/messages", status_code=200)
@@ -41,17 +32,8 @@ async def create_message(request: Request, owner: NamedDependency[str],
     completions = services.completions
     prepared = completions.prepare(owner, chat_body(req), chat=True)
     stops = req.stop_sequences or []
-    ignored = ignored_fields(req)
-    headers = {"X-Ignored-Fields": ", ".join(ignored)} if ignored else {}
-    if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
-        events = MessageStream(stops, prepared.prompt_tokens).translate
-        return Stream(stream(completions, prepared, events), media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-    answer = await unless_disconnected(request, completions.complete(prepared))
-    if answer is None:
-        log.info("%s went away before its answer; its sampling was cancelled", prepared.id)
-        return Response(None, status_code=CLIENT_CLOSED)
-    return Response(message(answer, stops), headers=headers)
+    return await respond(request, completions, prepared, ignored_fields(req),
+                         MessageStream(stops, prepared.prompt_tokens).translate, lambda answer: message(answer, stops))
 
 
 @post("/messages/count_tokens", status_code=200)
@@ -72,7 +54,5 @@ def anthropic_error(request: Request, exc: Exception) -> Response:
 ANTHROPIC_ROUTER = Router(
     path="/v1", route_handlers=[create_message, count_tokens],
     # Every class the app maps to the Tinker shape is named again here, so these routes answer in Anthropic's shape.
-    exception_handlers={cls: anthropic_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
-                                                          HTTPException, ValidationException, SerializationException,
-                                                          Exception)},
+    exception_handlers={cls: anthropic_error for cls in ERROR_CLASSES},
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
@@ -21,8 +21,8 @@ from litestar.exceptions import (
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from compat_server.completion_stream import stream
-from compat_server.completions import CompletionsService
+from compat_server.completion_stream import Translate, stream
+from compat_server.completions import CompletionsService, Prepared
 from compat_server.quotas import TooManyRequests
 from compat_server.services import Services
 from shims.errors import NotFound, UserError, too_deeply_nested
@@ -35,19 +35,25 @@ CLIENT_CLOSED = 499
 """nginx's status for a request whose client went away before the answer; it is never seen by that client."""
 
 
-async def _answer(request: Request, services: Services, owner: str, chat: bool) -> Response | Stream:
-    completions: CompletionsService = services.completions
-    prepared = completions.prepare(owner, await request.json(), chat)
-    # vLLM's habit: fields this server does not know are ignored, and the answer says which
-    headers = {"X-Ignored-Fields": ", ".join(prepared.ignored)} if prepared.ignored else {}
+async def respond(request: Request, completions: CompletionsService, prepared: Prepared, ignored: list[str],
+                  translate: Translate | None = None, shape: Callable[[dict], dict] | None = None) -> Response | Stream:
+    """Answer a prepared chat or completion request, streamed or whole; another API's routes pass ``translate``
+    (its stream events) and ``shape`` (its whole answer from the chat completion). Fields the request held that this
+    server does not know are named in ``X-Ignored-Fields`` (they were ignored, as vLLM does)."""
+    headers = {"X-Ignored-Fields": ", ".join(ignored)} if ignored else {}
     if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
-        return Stream(stream(completions, prepared), media_type="text/event-stream",
+        return Stream(stream(completions, prepared, translate), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     answer = await unless_disconnected(request, completions.complete(prepared))
     if answer is None:
         log.info("%s went away before its answer; its sampling was cancelled", prepared.id)
         return Response(None, status_code=CLIENT_CLOSED)
-    return Response(answer, headers=headers)
+    return Response(shape(answer) if shape else answer, headers=headers)
+
+
+async def _answer(request: Request, services: Services, owner: str, chat: bool) -> Response | Stream:
+    prepared = services.completions.prepare(owner, await request.json(), chat)
+    return await respond(request, services.completions, prepared, prepared.ignored)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | None:
@@ -124,10 +130,12 @@ def openai_error(_: Request, exc: Exception) -> Response:
     return Response(error.body(), status_code=error.status, headers=headers)
 
 
+ERROR_CLASSES = (OpenAIError, NotFound, UserError, TooManyRequests, HTTPException, ValidationException,
+                 SerializationException, Exception)
+"""Every class the app maps to the Tinker shape: a router that names them all answers every error in its own shape."""
+
 OPENAI_ROUTER = Router(
     path="/v1", route_handlers=[chat_completions, completions, list_models, retrieve_model],
     # Every class the app maps to the Tinker shape is named again here, so these routes answer in OpenAI's shape.
-    exception_handlers={cls: openai_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
-                                                       HTTPException, ValidationException, SerializationException,
-                                                       Exception)},
+    exception_handlers={cls: openai_error for cls in ERROR_CLASSES},
 )

@@ -4,18 +4,12 @@ response (``shims.responses_out``). Errors use OpenAI's shape, as on the other `
 
 from __future__ import annotations
 
-import logging
-
 from litestar import Request, Response, Router, post
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException, SerializationException, ValidationException
 from litestar.response import Stream
 
-from compat_server.completion_stream import stream
-from compat_server.openai_routes import CLIENT_CLOSED, openai_error, unless_disconnected
-from compat_server.quotas import TooManyRequests
+from compat_server.openai_routes import ERROR_CLASSES, openai_error, respond
 from compat_server.services import Services
-from shims.errors import NotFound, UserError
 from shims.openai_errors import OpenAIError
 from shims.responses_out import ResponseEvents, from_chat_completion
 from shims.responses_wire import (
@@ -25,8 +19,6 @@ from shims.responses_wire import (
     parse_responses_request,
     responses_error,
 )
-
-log = logging.getLogger("compat_server.openai")
 
 
 @post("/responses", status_code=200)
@@ -39,22 +31,11 @@ async def create_response(request: Request, owner: NamedDependency[str],
         prepared = completions.prepare(owner, chat_body(req), chat=True)
     except OpenAIError as exc:
         raise responses_error(exc) from None
-    # vLLM's habit, as on the chat route: unknown fields are ignored, and the answer says which
-    headers = {"X-Ignored-Fields": ", ".join(ignored)} if (ignored := ignored_fields(req)) else {}
-    if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
-        return Stream(stream(completions, prepared, ResponseEvents(settings).translate),
-                      media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-    answer = await unless_disconnected(request, completions.complete(prepared))
-    if answer is None:
-        log.info("%s went away before its answer; its sampling was cancelled", prepared.id)
-        return Response(None, status_code=CLIENT_CLOSED)
-    return Response(from_chat_completion(answer, settings), headers=headers)
+    return await respond(request, completions, prepared, ignored_fields(req), ResponseEvents(settings).translate,
+                         lambda answer: from_chat_completion(answer, settings))
 
 
 RESPONSES_ROUTER = Router(
     path="/v1", route_handlers=[create_response],
-    exception_handlers={cls: openai_error for cls in (OpenAIError, NotFound, UserError, TooManyRequests,
-                                                       HTTPException, ValidationException, SerializationException,
-                                                       Exception)},
+    exception_handlers={cls: openai_error for cls in ERROR_CLASSES},
 )

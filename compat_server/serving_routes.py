@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
-from litestar.exceptions import HTTPException, NotAuthorizedException, SerializationException, ValidationException
+from litestar.exceptions import NotAuthorizedException
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from compat_server.openai_routes import openai_error
+from compat_server.openai_routes import ERROR_CLASSES, openai_error
 from compat_server.services import Services
-from shims.errors import NotFound, UserError
-from shims.openai_errors import OpenAIError
 from shims.openai_text import Vocabulary
 from shims.openai_wire import parse_request
 from shims.tokenize_wire import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
@@ -91,6 +89,5 @@ async def prometheus_metrics(owner: NamedDependency[str], services: NamedDepende
 
 SERVING_ROUTER = Router(
     path="/", route_handlers=[health, tokenize_route, detokenize_route, tokenizer_info_route, prometheus_metrics],
-    exception_handlers={cls: openai_error for cls in (OpenAIError, NotFound, UserError, HTTPException,
-                                                       ValidationException, SerializationException, Exception)},
+    exception_handlers={cls: openai_error for cls in ERROR_CLASSES},
 )

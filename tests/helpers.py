@@ -233,3 +233,20 @@ def settled_decoded_tokens(server) -> int:
         time.sleep(0.5)
         readings.append(decoded_tokens(server))
     return readings[-1]
+
+
+async def streamed_chat_chunks(vocab, tokens, tools, finish: str, stops=(), include_stop: bool = False):
+    """The chunks ``completion_stream`` sends for ``tokens`` arriving one at a time (for the Responses and Anthropic
+    stream translators' tests)."""
+    from shims.openai_choice import ChoiceOutput
+    from shims.openai_out import chat_chunk, usage
+
+    out, header, sent = ChoiceOutput(vocab, stops, tools, include_stop=include_stop), (vocab, "chatcmpl-abc", 5, "m"), 0
+    yield chat_chunk(*header, index=0, role=True, content="")
+    for i, token in enumerate(tokens):
+        last = i == len(tokens) - 1
+        content, calls = out.push([token], final=last)
+        yield chat_chunk(*header, index=0, content=content or None, tool_calls=list(enumerate(calls, start=sent)),
+                         finish_reason=out.finish_reason(finish) if last else None)
+        sent += len(calls)
+    yield chat_chunk(*header, used=usage(7, len(tokens)))

@@ -38,16 +38,27 @@ def _offline() -> None:
         os.environ.setdefault(key, value)
 
 
+_dataset_cache: tempfile.TemporaryDirectory | None = None
+
+
+def _default_cache_dir() -> str:
+    """One temporary dataset cache for the process, removed when it exits."""
+    global _dataset_cache
+    if _dataset_cache is None:
+        _dataset_cache = tempfile.TemporaryDirectory(prefix="compat-server-lm-eval-")
+    return _dataset_cache.name
+
+
 def task_config(name: str, cache_dir: str | Path | None = None) -> dict[str, Any]:
     """The task's YAML as an inline config, its data file made absolute (``datasets`` resolves a relative one against
-    the working directory) and its dataset cache put in ``cache_dir`` (a fresh temporary directory by default)
-    rather than the user's ``~/.cache/huggingface/datasets``."""
+    the working directory) and its dataset cache put in ``cache_dir`` (by default one temporary directory for the
+    process) rather than the user's ``~/.cache/huggingface/datasets``."""
     import yaml
 
     config = yaml.safe_load((TASKS_DIR / f"{name}.yaml").read_text())
     kwargs = config.setdefault("dataset_kwargs", {})
     kwargs["data_files"] = {split: str(TASKS_DIR / Path(path).name) for split, path in kwargs["data_files"].items()}
-    kwargs["cache_dir"] = str(cache_dir or tempfile.mkdtemp(prefix="compat-server-lm-eval-"))
+    kwargs["cache_dir"] = str(cache_dir or _default_cache_dir())
     return config
 
 
@@ -98,7 +109,7 @@ def run_multiple_choice(base_url: str, model: str, tokenizer: str | Path | None 
         model_args["tokenizer"] = str(tokenizer)
     if max_length is not None:
         model_args["max_length"] = max_length
-    if tokenizer_backend == "remote" and api_key is not None:
+    if tokenizer_backend in ("remote", "auto") and api_key is not None:
         model_args["auth_token"] = api_key  # the remote tokenizer's own requests send only this
     model_args.update(extra_model_args or {})
     return _evaluate("local-completions", model_args, MC_TASK, limit=limit, batch_size=batch_size,

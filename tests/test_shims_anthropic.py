@@ -24,11 +24,12 @@ from shims.anthropic_wire import (
 )
 from shims.openai_choice import ChoiceOutput
 from shims.openai_errors import OpenAIError
-from shims.openai_out import ChoiceOut, chat_chunk, chat_completion, usage
+from shims.openai_out import ChoiceOut, chat_completion, usage
 from shims.openai_text import Vocabulary
 from shims.openai_wire import ChatRequest, chat_messages
 from shims.openai_wire import parse_request as parse_openai
 from shims.tool_calls import ToolMode, tool_definitions, tool_mode
+from tests.helpers import streamed_chat_chunks
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -167,23 +168,10 @@ def completion(vocab, tokens, stops, tools, finish) -> dict:
     return chat_completion(vocab, "chatcmpl-abc", 0, "m", [choice], usage(7, len(tokens)))
 
 
-async def chunks(vocab, tokens, stops, tools, finish):
-    """The chunks ``completion_stream`` sends for these tokens arriving one at a time."""
-    out, header, sent = ChoiceOutput(vocab, stops, tools, include_stop=True), (vocab, "chatcmpl-abc", 0, "m"), 0
-    yield chat_chunk(*header, index=0, role=True, content="")
-    for i, token in enumerate(tokens):
-        last = i == len(tokens) - 1
-        content, calls = out.push([token], final=last)
-        yield chat_chunk(*header, index=0, content=content or None, tool_calls=list(enumerate(calls, start=sent)),
-                         finish_reason=out.finish_reason(finish) if last else None)
-        sent += len(calls)
-    yield chat_chunk(*header, used=usage(7, len(tokens)))
-
-
 def streamed(vocab, tokens, stops, tools, finish) -> tuple[list[dict], dict]:
     """The stream's events, each checked against the SDK's event types, and the message the SDK builds of them."""
     async def collect():
-        raw = MessageStream(stops, 7).translate(chunks(vocab, tokens, stops, tools, finish))
+        raw = MessageStream(stops, 7).translate(streamed_chat_chunks(vocab, tokens, tools, finish, stops, include_stop=True))
         return [event async for event in raw]
 
     events, snapshot, buffers = [], None, {}

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from shims.openai_choice import ChoiceOutput
 from shims.openai_errors import OpenAIError
-from shims.openai_out import ChoiceOut, chat_chunk, chat_completion, usage
+from shims.openai_out import ChoiceOut, chat_completion, usage
 from shims.openai_params import output_constraint
 from shims.openai_text import Vocabulary
 from shims.openai_wire import ChatRequest, chat_messages, parse_request
@@ -29,6 +29,7 @@ from shims.responses_wire import (
     responses_error,
 )
 from shims.tool_calls import ToolMode, tool_definitions, tool_mode
+from tests.helpers import streamed_chat_chunks
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -165,19 +166,6 @@ def completion(vocab, tokens, tools, finish) -> dict:
     return chat_completion(vocab, "chatcmpl-abc", 5, "m", [choice], usage(7, len(tokens)))
 
 
-async def chunks(vocab, tokens, tools, finish):
-    """The chunks ``completion_stream`` sends for these tokens arriving one at a time."""
-    out, header, sent = ChoiceOutput(vocab, [], tools), (vocab, "chatcmpl-abc", 5, "m"), 0
-    yield chat_chunk(*header, index=0, role=True, content="")
-    for i, token in enumerate(tokens):
-        last = i == len(tokens) - 1
-        content, calls = out.push([token], final=last)
-        yield chat_chunk(*header, index=0, content=content or None, tool_calls=list(enumerate(calls, start=sent)),
-                         finish_reason=out.finish_reason(finish) if last else None)
-        sent += len(calls)
-    yield chat_chunk(*header, used=usage(7, len(tokens)))
-
-
 def sse_payloads(events: list[bytes]) -> list[dict]:
     payloads = []
     for sse in events:
@@ -235,7 +223,7 @@ def test_the_stream_adds_up_to_the_whole_response(vocab, text, tools, finish, it
         [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
     assert {k: whole[k] for k in SETTINGS} == SETTINGS
 
-    events, seen = streamed(chunks(vocab, tokens, tools, finish))
+    events, seen = streamed(streamed_chat_chunks(vocab, tokens, tools, finish))
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{status}"
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
@@ -261,7 +249,7 @@ def test_the_stream_adds_up_to_the_whole_response(vocab, text, tools, finish, it
 
 
 def test_each_message_event_is_in_order_around_the_deltas(vocab):
-    events, _ = streamed(chunks(vocab, vocab.encode("Sure, it is sunny."), ToolMode(), "stop"))
+    events, _ = streamed(streamed_chat_chunks(vocab, vocab.encode("Sure, it is sunny."), ToolMode(), "stop"))
     kinds = [e["type"] for e in events if e["type"] != "response.output_text.delta"]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", "response.output_text.done", "response.content_part.done",
