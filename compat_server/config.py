@@ -110,7 +110,7 @@ class ServerConfig:
             (self.max_resident_adapters >= 1, "--max-resident-adapters must be at least 1"),
             (self.max_num_samples >= 1, "--max-num-samples must be at least 1"),
             (self.max_logprobs_k >= 0, "--max-logprobs-k must be 0 or more"),
-            (0 <= self.max_logprobs <= self.max_logprobs_k, "--max-logprobs must be between 0 and --max-logprobs-k"),
+            (self.max_logprobs >= 0, "--max-logprobs must be 0 or more"),
             (self.max_stop_strings is None or self.max_stop_strings >= 0, "--max-stop-strings must be 0 or more"),
             (self.max_temperature is None or self.max_temperature >= 0, "--max-temperature must be 0 or more"),
             (min(self.custom_loss_max_nodes, self.custom_loss_max_nesting, self.custom_loss_max_constants,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from urllib.parse import quote
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
@@ -40,7 +41,8 @@ async def respond(request: Request, completions: CompletionsService, prepared: P
     """Answer a prepared chat or completion request, streamed or whole; another API's routes pass ``translate``
     (its stream events) and ``shape`` (its whole answer from the chat completion). Fields the request held that this
     server does not know are named in ``X-Ignored-Fields`` (they were ignored, as vLLM does)."""
-    headers = {"X-Ignored-Fields": ", ".join(ignored)} if ignored else {}
+    # percent-encoded: a field name is the client's text, and a header holds only visible ASCII
+    headers = {"X-Ignored-Fields": ", ".join(quote(name, safe="") for name in ignored)} if ignored else {}
     if prepared.stream:  # Litestar stops a stream whose client went away, which cancels its sampling
         return Stream(stream(completions, prepared, translate), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})

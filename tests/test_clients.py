@@ -9,6 +9,7 @@ whitespace until ``max_tokens``, which the grammar permits)."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Literal
 
 import jsonschema
@@ -22,6 +23,7 @@ from tests.helpers import BASE_MODEL, on_both_sampler_backends
 from tests.lm_eval_run import GEN_TASK, MC_TASK, metric, run_chat_generation, run_multiple_choice
 
 server, service_client = on_both_sampler_backends()
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm otherwise fetches its cost map from GitHub
 
 
 class Weather(BaseModel):
