@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from adapters.base_models import BaseModelSpec
 from compat_server.quotas import KeyQuota
@@ -169,10 +170,8 @@ class CompletionsService:
                 choices.append(ChoiceOut(p.choice_index(i, j), (content or None) if calls else prefix + content,
                                          reason, lps, calls or None, None if p.chat else prompt_lps))
         used = usage(p.prompt_tokens, completion_tokens)
-        if p.chat:
-            chat_prompt_lps = prompt_logprobs(p.vocab, p.jobs[0].prompt, results[0].prompt) \
-                if p.prompt_logprobs else None
-            return chat_completion(p.vocab, p.id, p.created, p.model, choices, used, chat_prompt_lps)
+        if p.chat:  # one prompt: its logprobs go on the response rather than on each choice
+            return chat_completion(p.vocab, p.id, p.created, p.model, choices, used, prompt_lps)
         return text_completion(p.vocab, p.id, p.created, p.model, choices, used)
 
     # ---- models ---------------------------------------------------------------------------------------------------
@@ -199,6 +198,4 @@ class CompletionsService:
 
 
 def _unix(stamp: str) -> int:
-    from datetime import datetime
-
     return int(datetime.fromisoformat(stamp).timestamp())
