@@ -1,4 +1,4 @@
-"""Two corrections to vLLM 0.32 that the vLLM sampler needs, installed in vLLM's worker process.
+"""Three corrections to vLLM 0.32 that the vLLM sampler needs, installed in vLLM's worker process.
 
 **Base-model rows on CPU get no LoRA.** vLLM marks a row without an adapter with the LoRA index -1. Its GPU kernels
 skip such rows; the plain-torch ops its CPU build uses index the stacked adapter weights with it, and -1 is the last
@@ -22,12 +22,21 @@ from the step's per-token mapping, which already has one entry per hidden-state 
 mapping. It goes through ``set_adapter_mapping``, the call vLLM itself makes every step, so the same code is right
 for the CPU and the GPU kernels.
 
+**Logprobs under a grammar are the model's own.** The sampler runs vLLM with ``logprobs_mode="raw_logprobs"`` (the
+model's logprobs before penalties, biases or temperature; the transformers sampler reports the same). But the model
+runner applies a structured-output grammar's bitmask to the logits *in place* before the sampler sees them, so a
+constrained request's "raw" logprobs were the masked ones: an only-allowed token got 0.0 where the model gave it
+-6.5, and the drift probe reported a gap of 6.9 between sampler and trainer. The correction keeps a copy of the
+step's logits before the mask and has the sampler compute its raw logprobs from that copy (sampling still uses the
+masked logits).
+
 The vLLM sampler names ``VLLMCorrections`` as vLLM's ``worker_extension_cls``: vLLM imports this module in its worker
 process, and importing it installs both corrections there. The sampler also runs vLLM with its V1 model runner
 (``VLLM_USE_V2_MODEL_RUNNER=0``), the runner the second correction is for, on CPU and GPU alike (the V2 runner, vLLM's
 default on a GPU, has the same fault in another place). Tests: ``tests/test_sampler_backends.py``
-``::test_mixed_adapter_batch_equals_separate_requests`` and ``::test_base_rows_stay_base_once_every_adapter_slot_has
-_been_used``, each failing without its correction.
+``::test_mixed_adapter_batch_equals_separate_requests``, ``::test_base_rows_stay_base_once_every_adapter_slot_has
+_been_used`` and ``tests/test_openai_vllm_surface.py::test_logprobs_under_a_json_constraint_are_the_models_own``, each
+failing without its correction.
 """
 
 from __future__ import annotations
@@ -112,6 +121,39 @@ def _install_prompt_logprobs_loras() -> None:
     GPUModelRunner._get_prompt_logprobs_dict = prompt_logprobs_with_row_loras
 
 
+def _install_raw_logprobs_under_grammar() -> None:
+    import vllm.v1.worker.gpu_model_runner as runner_module
+    from vllm.v1.sample.sampler import Sampler
+
+    apply_mask = runner_module.apply_grammar_bitmask
+    if getattr(apply_mask, "compat_server_fix", False):
+        return
+    original_sample = runner_module.GPUModelRunner._sample
+
+    @functools.wraps(apply_mask)
+    def apply_mask_keeping_logits(scheduler_output, grammar_output, input_batch, logits):
+        input_batch.compat_server_unmasked_logits = logits.clone()
+        apply_mask(scheduler_output, grammar_output, input_batch, logits)
+
+    @functools.wraps(original_sample)
+    def sample_with_unmasked_logprobs(self, logits, spec_decode_metadata):
+        unmasked = getattr(self.input_batch, "compat_server_unmasked_logits", None)
+        self.input_batch.compat_server_unmasked_logits = None  # one step's copy, never carried into the next
+        if unmasked is None or logits is None or unmasked.shape != logits.shape:
+            return original_sample(self, logits, spec_decode_metadata)
+        sampler = self.sampler
+        # The sampler's only compute_logprobs call in raw_logprobs mode is its raw logprobs, from the logits passed.
+        sampler.compute_logprobs = lambda _masked: Sampler.compute_logprobs(unmasked)
+        try:
+            return original_sample(self, logits, spec_decode_metadata)
+        finally:
+            del sampler.compute_logprobs
+
+    apply_mask_keeping_logits.compat_server_fix = True
+    runner_module.apply_grammar_bitmask = apply_mask_keeping_logits
+    runner_module.GPUModelRunner._sample = sample_with_unmasked_logprobs
+
+
 class VLLMCorrections:
     """vLLM worker extension (``worker_extension_cls``): its import installs the corrections in the worker."""
 
@@ -120,10 +162,15 @@ class VLLMCorrections:
         from vllm.lora.punica_wrapper import punica_cpu
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+        import vllm.v1.worker.gpu_model_runner as runner_module
+
         return {"prompt_logprobs_loras": getattr(GPUModelRunner._get_prompt_logprobs_dict, "compat_server_fix", False),
-                "cpu_no_lora_rows": getattr(punica_cpu.bgmv_shrink, "compat_server_fix", False)}
+                "cpu_no_lora_rows": getattr(punica_cpu.bgmv_shrink, "compat_server_fix", False),
+                "raw_logprobs_under_grammar": getattr(runner_module.apply_grammar_bitmask, "compat_server_fix",
+                                                      False)}
 
 
 _install_prompt_logprobs_loras()
 _install_cpu_no_lora_rows()
-log.debug("vLLM corrections installed (prompt-logprobs LoRA mapping, CPU no-LoRA rows)")
+_install_raw_logprobs_under_grammar()
+log.debug("vLLM corrections installed (prompt-logprobs LoRA mapping, CPU no-LoRA rows, raw logprobs under a grammar)")

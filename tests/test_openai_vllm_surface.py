@@ -87,6 +87,31 @@ def test_echo_gives_the_prompts_logprobs_as_lm_eval_reads_them(oai, tokenizer, r
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
 
 
+def test_logprobs_under_a_json_constraint_are_the_models_own(oai, tokenizer, reference):
+    """A grammar decides which tokens may come next, but the logprobs reported stay the model's own (vLLM's
+    ``raw_logprobs``): the numbers the trainer computes for the same tokens, so the drift probe and an RL loop's
+    importance weights see no difference. Masked logprobs would put the only allowed token near 0."""
+    prompt = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    reply = oai.completions.create(model=BASE_MODEL, prompt=[prompt], max_tokens=6, temperature=0, logprobs=2,
+                                   extra_body={"structured_outputs": {"json_object": True}})
+    lp = reply.choices[0].logprobs
+    by_text: dict[str, int] = {}
+    for token in range(len(tokenizer)):
+        by_text.setdefault(tokenizer.decode([token]), token)
+    sampled = [by_text[text] for text in lp.tokens]
+    _, table = prompt_logprobs(reference, prompt + sampled)
+    unconstrained_best = int(torch.argmax(table[len(prompt) - 1]))
+    assert sampled[0] != unconstrained_best, "the grammar should have overruled the model's first choice"
+    for i, (token, logprob, top) in enumerate(zip(sampled, lp.token_logprobs, lp.top_logprobs)):
+        row = table[len(prompt) - 1 + i]
+        assert logprob == pytest.approx(float(row[token]), abs=2e-4)
+        want = {lp.tokens[i]: float(row[token])}
+        best = torch.topk(row, 2)
+        for other, value in zip(best.indices.tolist(), best.values.tolist()):
+            want.setdefault(tokenizer.decode([other]), value)
+        assert top == pytest.approx(want, abs=2e-4)
+
+
 def test_vllms_prompt_logprobs_extension(oai, tokenizer, reference):
     prompt = tokenizer.encode("hello model", add_special_tokens=False)
     expected, table = prompt_logprobs(reference, prompt)

@@ -107,7 +107,7 @@ def test_mixed_adapter_batch_equals_separate_requests(make_sampler, adapters):
     sampler = make_sampler()
     if make_sampler.backend == "vllm":  # the corrections are in place in vLLM's worker process
         assert run(sampler.engine.collective_rpc("compat_server_corrections")) == [
-            {"prompt_logprobs_loras": True, "cpu_no_lora_rows": True}]
+            {"prompt_logprobs_loras": True, "cpu_no_lora_rows": True, "raw_logprobs_under_grammar": True}]
     refs = [adapters[0], None, adapters[1], adapters[0], None, adapters[1]]
     prompts = [PROMPT, PROMPT[:3], PROMPT + (5, 9, 200), PROMPT[2:], PROMPT + (44,), PROMPT[:2]]
 
