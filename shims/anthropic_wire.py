@@ -146,10 +146,14 @@ def _parts(blocks: list[TextBlock]) -> list[dict]:
     return [{"type": "text", "text": block.text} for block in blocks]
 
 
-def _user_messages(blocks: list[Block], where: str) -> list[dict]:
+Placed = tuple[str, Block]
+"""A content block with where it stood in the request (``messages.1.content.0``), for error messages."""
+
+
+def _user_messages(blocks: list[Placed]) -> list[dict]:
     """A user turn's blocks in order: runs of text as user messages, each tool result as a ``tool`` message."""
     out, text = [], []
-    for i, block in enumerate(blocks):
+    for where, block in blocks:
         if isinstance(block, ToolResultBlock):
             if text:
                 out.append({"role": "user", "content": _parts(text)})
@@ -159,20 +163,18 @@ def _user_messages(blocks: list[Block], where: str) -> list[dict]:
         elif isinstance(block, TextBlock):
             text.append(block)
         else:
-            raise OpenAIError(400, f"{where}.content.{i}: tool_use blocks belong in assistant turns",
-                              param=f"{where}.content")
+            raise OpenAIError(400, f"{where}: tool_use blocks belong in assistant turns", param=where)
     if text or not out:
         out.append({"role": "user", "content": _parts(text)})
     return out
 
 
-def _assistant_message(blocks: list[Block], where: str) -> dict:
+def _assistant_message(blocks: list[Placed]) -> dict:
     """An assistant turn: its text, and its ``tool_use`` blocks as OpenAI tool calls (JSON arguments)."""
     text, calls = [], []
-    for i, block in enumerate(blocks):
+    for where, block in blocks:
         if isinstance(block, ToolResultBlock):
-            raise OpenAIError(400, f"{where}.content.{i}: tool_result blocks belong in user turns",
-                              param=f"{where}.content")
+            raise OpenAIError(400, f"{where}: tool_result blocks belong in user turns", param=where)
         if isinstance(block, TextBlock):
             text.append(block)
         else:
@@ -182,19 +184,36 @@ def _assistant_message(blocks: list[Block], where: str) -> dict:
             **({"tool_calls": calls} if calls else {})}
 
 
+def _turns(messages: list[Message]) -> list[tuple[str, str | list[Placed]]]:
+    """The conversation's turns. As Anthropic's API does, consecutive messages of one role are one turn (their
+    blocks in order); a lone message with string content stays a string, so it renders exactly as sent."""
+    turns: list[tuple[str, str | list[Placed]]] = []
+    for n, message in enumerate(messages):
+        content = message.content
+        blocks = ([(f"messages.{n}.content", TextBlock(type="text", text=content))] if isinstance(content, str)
+                  else [(f"messages.{n}.content.{i}", block) for i, block in enumerate(content)])
+        if turns and turns[-1][0] == message.role:
+            previous = turns[-1][1]
+            if isinstance(previous, str):
+                previous = [(f"messages.{n - 1}.content", TextBlock(type="text", text=previous))]
+            turns[-1] = (message.role, previous + blocks)
+        else:
+            turns.append((message.role, content if isinstance(content, str) else blocks))
+    return turns
+
+
 def chat_messages(req: CountTokensRequest) -> list[dict]:
     """The conversation as OpenAI chat messages, ``system`` first."""
     out = []
     if req.system:
         out.append({"role": "system", "content": req.system if isinstance(req.system, str) else _parts(req.system)})
-    for n, message in enumerate(req.messages):
-        where = f"messages.{n}"
-        if isinstance(message.content, str):
-            out.append({"role": message.role, "content": message.content})
-        elif message.role == "user":
-            out.extend(_user_messages(message.content, where))
+    for role, content in _turns(req.messages):
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif role == "user":
+            out.extend(_user_messages(content))
         else:
-            out.append(_assistant_message(message.content, where))
+            out.append(_assistant_message(content))
     return out
 
 

@@ -189,13 +189,14 @@ def parse_request(model: type[_M], body: Any) -> _M:
 
 
 def _text(content: str | list[TextPart] | None) -> str:
+    """A message's text; text parts joined by newlines, as vLLM joins them for templates that take a string."""
     if isinstance(content, list):
-        return "".join(part.text for part in content)
+        return "\n".join(part.text for part in content)
     return content or ""
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as a chat template takes them: text parts joined into one string, tool calls' JSON arguments as
+    """Messages as a chat template takes them: text parts joined into one string (by newlines), tool calls' JSON arguments as
     objects (templates write them with ``tojson``), other fields passed through for templates that read them."""
     if not messages:
         raise OpenAIError(400, "messages must hold at least one message", param="messages")

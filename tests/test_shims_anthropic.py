@@ -80,6 +80,28 @@ def test_a_conversation_with_tools_becomes_the_openai_chat_the_template_renders_
     assert "<tool_response>\nsunny\n</tool_response>" in vocab.decode(expected["input_ids"])
 
 
+def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them():
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "user", "content": [{"type": "text", "text": "And London?"}]},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                "input": {"city": "Paris"}}]},
+             {"role": "assistant", "content": "Also:"},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+             {"role": "user", "content": "Thanks"}]
+    openai = parse_openai(ChatRequest, chat_body(messages_request(messages=turns, tools=[WEATHER])))
+    assert chat_messages(openai.messages) == [
+        {"role": "user", "content": "Weather in Paris?\nAnd London?"},
+        {"role": "assistant", "content": "Also:", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    with pytest.raises(OpenAIError) as info:  # a misplaced block is named where the client put it
+        chat_body(messages_request(messages=[turns[0], {"role": "user", "content": [
+            {"type": "text", "text": "x"}, {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]))
+    assert info.value.message.startswith("messages.1.content.1: tool_use blocks belong in assistant turns")
+
+
 @pytest.mark.parametrize("choice, openai_choice, mode", [
     ({"type": "auto"}, "auto", "auto"), ({"type": "any"}, "required", "required"), ({"type": "none"}, "none", "none"),
     ({"type": "tool", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}}, "named"),

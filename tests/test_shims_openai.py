@@ -118,7 +118,7 @@ def test_unknown_fields_are_ignored_and_named_but_result_changing_ones_refused()
 def test_prompts_and_messages(vocab):
     assert chat_messages(parse_request(ChatRequest, {"model": "m", "messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "user", "content": "c"}]}).messages) == [{"role": "system", "content": "ab"}, {"role": "user", "content": "c"}]
+        {"role": "user", "content": "c"}]}).messages) == [{"role": "system", "content": "a\nb"}, {"role": "user", "content": "c"}]  # parts joined as vLLM joins them
     prompts = {"x y": [vocab.encode("x y")], "": None}
     for prompt, expected in [("x y", prompts["x y"]), (["a", "b"], [vocab.encode("a"), vocab.encode("b")]),
                              ([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]])]:
