@@ -17,6 +17,7 @@ import torch
 import xgrammar as xgr
 
 from shims.errors import UserError
+from shims.json_schema_limits import unsupported_features
 from shims.sample_job import OutputConstraint, SampleJob
 
 GRAMMAR_CACHE_SIZE = 64
@@ -49,9 +50,12 @@ def _check_schema(schema: str) -> None:
 def _convert(schema: str, convert):
     """``convert(schema, any_whitespace=True, strict_mode=True)`` (vLLM's settings), its failure a ``UserError``."""
     try:
-        json.loads(schema)
+        parsed = json.loads(schema)
     except ValueError as exc:
         raise UserError(f"the JSON schema of the output constraint is not valid JSON: {exc}") from None
+    if unsupported := unsupported_features(parsed):
+        raise UserError(f"the JSON schema of the output constraint uses what constrained decoding cannot enforce: "
+                        f"{'; '.join(unsupported)}")
     try:
         return convert(schema, any_whitespace=True, strict_mode=True)
     except RuntimeError as exc:  # xgrammar's C++ errors, prefixed with a timestamp and a source location

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from tinker import types
 
 from shims.errors import UserError
+from shims.json_schema_limits import unsupported_features
 from shims.openai_errors import OpenAIError
 from shims.openai_wire import ChatRequest, CompletionRequest
 from shims.sample_job import OutputConstraint, SampleJob, SamplingLimits
@@ -44,17 +45,22 @@ def _in_range(value: float | None, low: float, high: float | None, param: str) -
 
 
 def _schema_constraint(schema: dict | str | None, param: str) -> OutputConstraint:
-    """A constraint to ``schema`` (None: any JSON), checked now so that a schema the grammar engine cannot compile
-    is the caller's 400, naming the parameter, rather than a failed sampling request."""
+    """A constraint to ``schema`` (None: any JSON), checked now so that a schema the grammar engine cannot compile,
+    or one using a keyword it could not enforce, is the caller's 400, naming the parameter, rather than a failed
+    sampling request or an output that does not validate."""
     import xgrammar
 
-    text = None if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
+    if schema is None:
+        return OutputConstraint(json_schema=None)
+    text = schema if isinstance(schema, str) else json.dumps(schema)
     try:
-        if text is not None:
-            xgrammar.Grammar.from_json_schema(text, any_whitespace=True, strict_mode=True)
+        xgrammar.Grammar.from_json_schema(text, any_whitespace=True, strict_mode=True)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with the converter's message
         message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise OpenAIError(400, f"{param}: the JSON schema cannot be used: {message}", param=param) from None
+    if unsupported := unsupported_features(json.loads(text)):
+        raise OpenAIError(400, f"{param}: the JSON schema uses what constrained decoding cannot enforce, so the "
+                               f"output could not be guaranteed to follow it: {'; '.join(unsupported)}", param=param)
     return OutputConstraint(json_schema=text)
 
 

@@ -382,8 +382,11 @@ def test_a_constraint_without_a_schema_gives_json_objects(make_sampler, tokenize
 
 
 def test_an_invalid_schema_fails_its_request_as_a_user_error(make_sampler):
+    """Both backends refuse the same schemas: one xgrammar could not enforce fails rather than giving an output that
+    does not validate (vLLM's own check said so before this server's did; transformers went ahead)."""
     sampler = make_sampler()
-    for schema, message in (("{not json", "not valid JSON"), ('{"type": "nope"}', "cannot be used")):
+    for schema, message in (("{not json", "not valid JSON"), ('{"type": "nope"}', "cannot be used"),
+                            ('{"type": "integer", "multipleOf": 7}', "cannot enforce: multipleOf at the root")):
         with pytest.raises(UserError, match=message):
             run(sampler.sample(None, SampleJob(prompt=PROMPT, constraint=OutputConstraint(schema))))
 
