@@ -3,65 +3,33 @@
 Concurrent requests are not run one by one: every request that is waiting when the model becomes free joins one
 batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter, its own sampling parameters and
 its own random generator. Adapters run through ``adapters.lora`` (the trainer's LoRA execution): requests are ordered
-by adapter so each adapter's rows are one slice of the batch. The batch is prefilled together, left-padded, and
-decoded step by step with a shared KV cache; rows that finish leave the cache at once.
+by adapter so each adapter's rows are one slice of the batch, which ``adapters.hf_decode`` decodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from adapters.adapter_files import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, read_adapter
 from adapters.base_models import resolve_dtype
 from adapters.batching import Coalescer
-from adapters.grammar import ConstrainedSequence, JsonGrammars, check_constraint
+from adapters.grammar import JsonGrammars, check_constraint
+from adapters.hf_decode import BatchDecoder, BatchRequest
 from adapters.lora import LoRALinear, Router, install, with_tied_input_side, wrap_linears
 from adapters.sampler import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
 from shims.errors import UserError
-from shims.sample_job import SampleJob, SampleResult, SequenceResult, TokenEvent
-from shims.sampling_math import SeededStream, StopMatcher, choose_token, score_prompt, sequence_streams, top_k
+from shims.sample_job import SampleJob, SampleResult
 
 log = logging.getLogger("compat_server.sampler")
 
 PROMPT_LOGITS_BUDGET = 1 << 28
 """Most logit cells (rows × prompt length × vocabulary; 1 GiB in fp32) one batch may materialise to score prompts:
 a request that would exceed it with others waits for a batch of its own."""
-
-
-@dataclass(frozen=True)
-class _Request:
-    adapter: AdapterRef | None
-    job: SampleJob
-    on_token: OnToken | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    """Set when the caller stopped waiting (its HTTP client went away): its rows leave the batch at the next
-    step instead of decoding to ``max_tokens``."""
-
-
-@dataclass
-class _Row:
-    request: int
-    index: int
-    """Which of its request's samples this row is."""
-    adapter_name: str | None
-    """The adapter's slot name, None for the base model."""
-    stream: SeededStream
-    matcher: StopMatcher
-    grammar: ConstrainedSequence | None
-    """Where the row stands in its job's output constraint, if it has one."""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk: list[tuple] = field(default_factory=list)
-    stop_reason: str | None = None
 
 
 class TransformersSampler:
@@ -91,7 +59,8 @@ class TransformersSampler:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.grammars = JsonGrammars(self.tokenizer, int(config.vocab_size))
+        self._decoder = BatchDecoder(self._forward, self.device, self.pad_id, self.eos_ids, self.tokenizer.decode,
+                                     JsonGrammars(self.tokenizer, int(config.vocab_size)))
         self._facts = SamplerFacts(
             backend="transformers", vocab_size=int(config.vocab_size),
             max_context=min(int(getattr(config, "max_position_embeddings", 2048)), max_model_len or 1 << 62),
@@ -125,20 +94,20 @@ class TransformersSampler:
         """Requests waiting when the model becomes free run together as one batch, in a worker thread. Cancelling
         the call stops its sequences: still waiting, it never joins a batch; running, its rows leave the batch."""
         check_constraint(job.constraint)
-        request = _Request(adapter, job, on_token)
+        request = BatchRequest(adapter, job, on_token)
         try:
             return await self._batches.submit(request)
         except asyncio.CancelledError:
             request.cancelled.set()
             raise
 
-    async def _run_in_thread(self, batch: list[_Request]) -> list[SampleResult | Exception]:
+    async def _run_in_thread(self, batch: list[BatchRequest]) -> list[SampleResult | Exception]:
         """Every batch on the one same thread: torch's CPU thread pool belongs to the thread that calls it, and the
         pools left behind on other threads (``asyncio.to_thread`` picks any) keep spinning after their work, taking
         the cores from the pool at work (measured: each batch ~2× slower on 2 cores)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._run_batch, batch)
 
-    def _batch_size(self, pending: list[_Request]) -> int:
+    def _batch_size(self, pending: list[BatchRequest]) -> int:
         """How many of the oldest waiting requests fit one batch: up to ``max_batch_sequences`` rows, at most as many
         distinct adapters as may be resident, and prompt-scoring logits (rows × prompt length × vocabulary) within
         ``PROMPT_LOGITS_BUDGET``; the first request always goes, whatever its size."""
@@ -182,7 +151,7 @@ class TransformersSampler:
                      extra={"event": "adapter_evicted", "slot": f"slot_{slot_id}"})
 
     # ---- generation -----------------------------------------------------------------------------------------------
-    def _run_batch(self, requests: list[_Request]) -> list[SampleResult | Exception]:
+    def _run_batch(self, requests: list[BatchRequest]) -> list[SampleResult | Exception]:
         """Results in request order; a request whose adapter cannot be loaded gets its own error, and the others
         still run."""
         outcomes: list[SampleResult | Exception | None] = [None] * len(requests)
@@ -206,7 +175,8 @@ class TransformersSampler:
                 order = sorted(range(len(runnable)), key=lambda k: names[k] or "")  # each adapter's rows: one slice
                 runnable, names = [runnable[k] for k in order], [names[k] for k in order]
                 with torch.inference_mode():
-                    results = self._generate([requests[i] for i in runnable], names)
+                    results, decoded = self._decoder.generate([requests[i] for i in runnable], names)
+                self.decoded_tokens += decoded
                 for i, result in zip(runnable, results):
                     outcomes[i] = result
         finally:
@@ -221,93 +191,3 @@ class TransformersSampler:
             if self.tied:
                 embeds = with_tied_input_side(embeds, input_ids, self.head)
             return self.base(inputs_embeds=embeds, **kwargs)
-
-    def _generate(self, requests: list[_Request], names: list[str]) -> list[SampleResult]:
-        rows: list[_Row] = []
-        jobs = [request.job for request in requests]
-        for number, (job, name) in enumerate(zip(jobs, names)):
-            for index, stream in enumerate(sequence_streams(job, secrets.randbits(62))):
-                rows.append(_Row(number, index, name, stream, StopMatcher(job, self.eos_ids, self.tokenizer.decode),
-                                 self.grammars.for_job(job, self.eos_ids)))
-        # The prompts the repetition penalty reads, made into tensors once rather than at every step.
-        prompts = [torch.tensor(job.prompt, device=self.device) if job.repetition_penalty != 1.0 else None
-                   for job in jobs]
-        listeners = [request.on_token for request in requests]
-        cancels = [request.cancelled for request in requests]
-        longest = max(len(jobs[r.request].prompt) for r in rows)
-        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row in enumerate(rows):
-            prompt = jobs[row.request].prompt
-            ids[i, longest - len(prompt):] = torch.tensor(prompt)
-            mask[i, longest - len(prompt):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        want_prompt = any(job.needs_prompt_scores for job in jobs)
-        out = self._forward([r.adapter_name for r in rows], input_ids=ids, attention_mask=mask, position_ids=positions,
-                            use_cache=True, logits_to_keep=0 if want_prompt else 1)
-        results = [SampleResult(sequences=[]) for _ in requests]
-        if want_prompt:
-            first_row = {}
-            for i, row in enumerate(rows):
-                first_row.setdefault(row.request, i)
-            for index, i in first_row.items():
-                job = jobs[index]
-                if job.needs_prompt_scores:
-                    n = len(job.prompt)
-                    logprobs = torch.log_softmax(out.logits[i, longest - n:longest - 1].float(), dim=-1)
-                    # Its own stream, so asking for prompt_alt_tokens never changes the sampled tokens.
-                    seed = job.seed if job.seed is not None else secrets.randbits(62)
-                    results[index].prompt = score_prompt(logprobs, job, SeededStream(seed ^ 0x5EED))
-        cache, last = out.past_key_values, out.logits[:, -1]
-        active = list(range(len(rows)))  # row numbers still generating, in cache order
-        next_pos = positions[:, -1] + 1
-        while True:
-            step_tokens = []
-            for slot, r in enumerate(active):
-                row, job = rows[r], jobs[rows[r].request]
-                if cancels[row.request].is_set():
-                    row.stop_reason = "cancelled"
-                    step_tokens.append(self.pad_id)  # never fed: the row leaves the batch below
-                    continue
-                logprobs = torch.log_softmax(last[slot].float(), dim=-1)  # the model's own, whatever is chosen
-                logits = last[slot] if row.grammar is None else row.grammar.masked(last[slot])
-                token = choose_token(logits, job, row.stream, row.tokens, prompts[row.request])
-                row.tokens.append(token)
-                if row.grammar is not None:
-                    row.grammar.accept(token)
-                self.decoded_tokens += 1
-                row.logprobs.append(float(logprobs[token]))
-                if job.topk_sample_logprobs:
-                    row.topk.append(top_k(logprobs.unsqueeze(0), job.topk_sample_logprobs))
-                if listeners[row.request] is not None:
-                    ids, lps = row.topk[-1] if job.topk_sample_logprobs else (None, None)
-                    listeners[row.request](TokenEvent(row.index, token, row.logprobs[-1], ids, lps))
-                if row.matcher.done(row.tokens) or (row.grammar is not None and row.grammar.terminated):
-                    row.stop_reason = "stop"
-                elif len(row.tokens) >= job.max_tokens:
-                    row.stop_reason = "length"
-                step_tokens.append(token)
-            keep = [slot for slot, r in enumerate(active) if rows[r].stop_reason is None]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                mask, next_pos = mask[index], next_pos[index]
-                step_tokens = [step_tokens[s] for s in keep]
-                active = [active[s] for s in keep]
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out = self._forward([rows[r].adapter_name for r in active],
-                                input_ids=torch.tensor(step_tokens, device=self.device).unsqueeze(1),
-                                attention_mask=mask, position_ids=next_pos.unsqueeze(1), past_key_values=cache,
-                                use_cache=True)
-            cache, last = out.past_key_values, out.logits[:, -1]
-            next_pos = next_pos + 1
-        for row in rows:
-            seq = SequenceResult(tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason)
-            if row.topk:
-                seq.topk_ids = np.concatenate([ids for ids, _ in row.topk])
-                seq.topk_logprobs = np.concatenate([lps for _, lps in row.topk])
-            results[row.request].sequences.append(seq)
-        return results

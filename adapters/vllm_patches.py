@@ -159,12 +159,11 @@ class VLLMCorrections:
 
     def compat_server_corrections(self) -> dict[str, bool]:
         """Which corrections are in place in this worker (a ``collective_rpc`` target, for checks)."""
-        from vllm.lora.punica_wrapper import punica_cpu
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
         import vllm.v1.worker.gpu_model_runner as runner_module
+        from vllm.lora.punica_wrapper import punica_cpu
 
-        return {"prompt_logprobs_loras": getattr(GPUModelRunner._get_prompt_logprobs_dict, "compat_server_fix", False),
+        return {"prompt_logprobs_loras": getattr(runner_module.GPUModelRunner._get_prompt_logprobs_dict,
+                                                 "compat_server_fix", False),
                 "cpu_no_lora_rows": getattr(punica_cpu.bgmv_shrink, "compat_server_fix", False),
                 "raw_logprobs_under_grammar": getattr(runner_module.apply_grammar_bitmask, "compat_server_fix",
                                                       False)}
