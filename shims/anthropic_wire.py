@@ -206,7 +206,9 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
     """The conversation as OpenAI chat messages, ``system`` first."""
     out = []
     if req.system:
-        out.append({"role": "system", "content": req.system if isinstance(req.system, str) else _parts(req.system)})
+        # vLLM's Anthropic route joins the system blocks with nothing between them (a message's text parts: newlines)
+        system = req.system if isinstance(req.system, str) else "".join(block.text for block in req.system)
+        out.append({"role": "system", "content": system})
     for role, content in _turns(req.messages):
         if isinstance(content, str):
             out.append({"role": role, "content": content})

@@ -178,7 +178,7 @@ def _text(content: str | list[ContentPart], param: str) -> str:
         else:
             raise OpenAIError(400, f"{param}[{j}]: only text content (input_text, output_text) is supported by this "
                                    f"server, got {part.type!r}", param=f"{param}[{j}]")
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM's chat parser joins a message's text parts
 
 
 def _item(raw: dict[str, Any], i: int) -> Lenient:

@@ -81,6 +81,8 @@ def test_a_conversation_with_tools_becomes_the_openai_chat_the_template_renders_
 
 
 def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them():
+    """A turn's text blocks join with newlines (vLLM's chat parser), its system blocks with nothing (vLLM's
+    Anthropic route)."""
     turns = [{"role": "user", "content": "Weather in Paris?"},
              {"role": "user", "content": [{"type": "text", "text": "And London?"}]},
              {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
@@ -88,8 +90,10 @@ def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them()
              {"role": "assistant", "content": "Also:"},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
              {"role": "user", "content": "Thanks"}]
-    openai = parse_openai(ChatRequest, chat_body(messages_request(messages=turns, tools=[WEATHER])))
+    system = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+    openai = parse_openai(ChatRequest, chat_body(messages_request(messages=turns, tools=[WEATHER], system=system)))
     assert chat_messages(openai.messages) == [
+        {"role": "system", "content": "Be brief."},  # system blocks joined as vLLM's Anthropic route joins them
         {"role": "user", "content": "Weather in Paris?\nAnd London?"},
         {"role": "assistant", "content": "Also:", "tool_calls": [
             {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},

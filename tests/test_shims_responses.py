@@ -65,7 +65,7 @@ def test_a_conversation_becomes_the_chat_messages_the_template_renders(vocab):
          "tool_calls": [{"id": "call_1", "type": "function",
                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-        {"role": "user", "content": "And London?"},
+        {"role": "user", "content": "And \nLondon?"},  # text parts joined with newlines, as vLLM joins them
     ]
     assert body["tools"] == [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
     assert {k: body[k] for k in ("model", "max_completion_tokens", "temperature", "top_p", "tool_choice", "seed",
