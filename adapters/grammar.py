@@ -53,14 +53,15 @@ def _convert(schema: str, convert):
         parsed = json.loads(schema)
     except ValueError as exc:
         raise UserError(f"the JSON schema of the output constraint is not valid JSON: {exc}") from None
-    if unsupported := unsupported_features(parsed):
-        raise UserError(f"the JSON schema of the output constraint uses what constrained decoding cannot enforce: "
-                        f"{'; '.join(unsupported)}")
     try:
-        return convert(schema, any_whitespace=True, strict_mode=True)
+        converted = convert(schema, any_whitespace=True, strict_mode=True)
     except RuntimeError as exc:  # xgrammar's C++ errors, prefixed with a timestamp and a source location
         reason = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", "", str(exc).strip()).splitlines()[0]
         raise UserError(f"the JSON schema of the output constraint cannot be used: {reason}") from None
+    if unsupported := unsupported_features(parsed):
+        raise UserError(f"the JSON schema of the output constraint uses what constrained decoding cannot enforce: "
+                        f"{'; '.join(unsupported)}")
+    return converted
 
 
 class ConstrainedSequence:

@@ -53,9 +53,10 @@ class _Row:
     stop_reason: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class BatchDecoder:
-    """What decoding needs of the sampler: its forward pass and its tokenizer's facts."""
+    """What decoding needs of the sampler: its forward pass and its tokenizer's facts; and its count of decoded
+    tokens, kept as each is decoded so that a reader sees a long batch progress (and its tokens counted if it fails)."""
 
     forward: Forward
     device: torch.device
@@ -63,10 +64,11 @@ class BatchDecoder:
     eos_ids: list[int]
     decode: Callable[[list[int]], str]
     grammars: JsonGrammars
+    decoded_tokens: int = 0
+    """Every token decoded, including those of requests whose caller later went away."""
 
-    def generate(self, requests: list[BatchRequest], names: list[str | None]) -> tuple[list[SampleResult], int]:
-        """Each request's result (in order) and the number of tokens decoded, ``names[i]`` the adapter slot of
-        ``requests[i]``."""
+    def generate(self, requests: list[BatchRequest], names: list[str | None]) -> list[SampleResult]:
+        """Each request's result, in order; ``names[i]`` is the adapter slot of ``requests[i]``."""
         jobs = [request.job for request in requests]
         rows = [_Row(number, index, name, stream, StopMatcher(job, self.eos_ids, self.decode),
                      self.grammars.for_job(job, self.eos_ids))
@@ -86,7 +88,6 @@ class BatchDecoder:
         cache, last = out.past_key_values, out.logits[:, -1]
         active = list(range(len(rows)))  # row numbers still generating, in cache order
         next_pos = positions[:, -1] + 1
-        decoded = 0
         while True:
             step_tokens = []
             for slot, r in enumerate(active):
@@ -96,7 +97,7 @@ class BatchDecoder:
                     step_tokens.append(self.pad_id)  # never fed: the row leaves the batch below
                     continue
                 step_tokens.append(self._next_token(row, requests[row.request], last[slot], prompts[row.request]))
-                decoded += 1
+                self.decoded_tokens += 1
             keep = [slot for slot, r in enumerate(active) if rows[r].stop_reason is None]
             if not keep:
                 break
@@ -115,7 +116,7 @@ class BatchDecoder:
             next_pos = next_pos + 1
         for row in rows:
             results[row.request].sequences.append(_sequence(row))
-        return results, decoded
+        return results
 
     def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts as one batch of ids, padded on the left, and its attention mask."""

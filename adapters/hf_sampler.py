@@ -72,8 +72,6 @@ class TransformersSampler:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-sampler")
         self._batches = Coalescer(self._run_in_thread, self._batch_size)
         self.batches = 0
-        self.decoded_tokens = 0
-        """Every token decoded, including those of requests whose caller later went away."""
 
     def facts(self) -> SamplerFacts:
         return self._facts
@@ -83,6 +81,11 @@ class TransformersSampler:
 
     def stats(self) -> dict:
         return {"batches": self.batches, "decoded_tokens": self.decoded_tokens, "resident_adapters": self.resident()}
+
+    @property
+    def decoded_tokens(self) -> int:
+        """Every token decoded, including those of requests whose caller later went away."""
+        return self._decoder.decoded_tokens
 
     async def close(self) -> None:
         """Stop batching (requests still waiting fail as cancelled)."""
@@ -175,8 +178,7 @@ class TransformersSampler:
                 order = sorted(range(len(runnable)), key=lambda k: names[k] or "")  # each adapter's rows: one slice
                 runnable, names = [runnable[k] for k in order], [names[k] for k in order]
                 with torch.inference_mode():
-                    results, decoded = self._decoder.generate([requests[i] for i in runnable], names)
-                self.decoded_tokens += decoded
+                    results = self._decoder.generate([requests[i] for i in runnable], names)
                 for i, result in zip(runnable, results):
                     outcomes[i] = result
         finally:

@@ -31,7 +31,7 @@ step's logits before the mask and has the sampler compute its raw logprobs from 
 masked logits).
 
 The vLLM sampler names ``VLLMCorrections`` as vLLM's ``worker_extension_cls``: vLLM imports this module in its worker
-process, and importing it installs both corrections there. The sampler also runs vLLM with its V1 model runner
+process, and importing it installs the corrections there. The sampler also runs vLLM with its V1 model runner
 (``VLLM_USE_V2_MODEL_RUNNER=0``), the runner the second correction is for, on CPU and GPU alike (the V2 runner, vLLM's
 default on a GPU, has the same fault in another place). Tests: ``tests/test_sampler_backends.py``
 ``::test_mixed_adapter_batch_equals_separate_requests``, ``::test_base_rows_stay_base_once_every_adapter_slot_has
@@ -123,33 +123,38 @@ def _install_prompt_logprobs_loras() -> None:
 
 def _install_raw_logprobs_under_grammar() -> None:
     import vllm.v1.worker.gpu_model_runner as runner_module
-    from vllm.v1.sample.sampler import Sampler
 
     apply_mask = runner_module.apply_grammar_bitmask
+    original_sample = runner_module.GPUModelRunner._sample
     if getattr(apply_mask, "compat_server_fix", False):
         return
-    original_sample = runner_module.GPUModelRunner._sample
 
     @functools.wraps(apply_mask)
     def apply_mask_keeping_logits(scheduler_output, grammar_output, input_batch, logits):
-        input_batch.compat_server_unmasked_logits = logits.clone()
+        metadata = input_batch.sampling_metadata
+        if metadata.max_num_logprobs is not None or metadata.logprob_token_ids:  # the copy only when it is read
+            input_batch.compat_server_unmasked_logits = logits.clone()
         apply_mask(scheduler_output, grammar_output, input_batch, logits)
 
     @functools.wraps(original_sample)
     def sample_with_unmasked_logprobs(self, logits, spec_decode_metadata):
         unmasked = getattr(self.input_batch, "compat_server_unmasked_logits", None)
         self.input_batch.compat_server_unmasked_logits = None  # one step's copy, never carried into the next
-        if unmasked is None or logits is None or unmasked.shape != logits.shape:
-            return original_sample(self, logits, spec_decode_metadata)
         sampler = self.sampler
-        # The sampler's only compute_logprobs call in raw_logprobs mode is its raw logprobs, from the logits passed.
-        sampler.compute_logprobs = lambda _masked: Sampler.compute_logprobs(unmasked)
+        # Only the plain sampler in raw_logprobs mode (what the vLLM sampler runs) calls compute_logprobs once, on
+        # the logits it was given, for its raw logprobs; speculative decoding's rejection sampler calls it on others.
+        if (unmasked is None or logits is None or unmasked.shape != logits.shape or spec_decode_metadata is not None
+                or sampler.logprobs_mode != "raw_logprobs"):
+            return original_sample(self, logits, spec_decode_metadata)
+        compute = type(sampler).compute_logprobs
+        sampler.compute_logprobs = lambda _masked: compute(unmasked)
         try:
             return original_sample(self, logits, spec_decode_metadata)
         finally:
             del sampler.compute_logprobs
 
     apply_mask_keeping_logits.compat_server_fix = True
+    sample_with_unmasked_logprobs.compat_server_fix = True
     runner_module.apply_grammar_bitmask = apply_mask_keeping_logits
     runner_module.GPUModelRunner._sample = sample_with_unmasked_logprobs
 
@@ -165,8 +170,8 @@ class VLLMCorrections:
         return {"prompt_logprobs_loras": getattr(runner_module.GPUModelRunner._get_prompt_logprobs_dict,
                                                  "compat_server_fix", False),
                 "cpu_no_lora_rows": getattr(punica_cpu.bgmv_shrink, "compat_server_fix", False),
-                "raw_logprobs_under_grammar": getattr(runner_module.apply_grammar_bitmask, "compat_server_fix",
-                                                      False)}
+                "raw_logprobs_under_grammar": all(getattr(fn, "compat_server_fix", False) for fn in (
+                    runner_module.apply_grammar_bitmask, runner_module.GPUModelRunner._sample))}
 
 
 _install_prompt_logprobs_loras()

@@ -4,8 +4,8 @@ vLLM does the batching (continuous batching across every concurrent request and 
 the engine ahead of its request (``add_lora``), so a file that cannot be loaded fails that request alone, as a user
 error, and never enters a batch with others. ``ResidentAdapters`` bounds how many stay loaded and evicts the least
 recently used with ``remove_lora``; a later request for an evicted adapter loads it again. Logprobs are vLLM's raw
-logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens, except
-under an output constraint: vLLM 0.32 masks the logits with the grammar before it computes them.
+logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens, under
+an output constraint too (``adapters.vllm_patches`` keeps them from being computed on the grammar-masked logits).
 
 vLLM runs with its V1 model runner and the corrections of ``adapters.vllm_patches`` (see there why).
 If the engine dies, the request fails as a server error and ``on_engine_dead`` is called: the Ray actor then exits,

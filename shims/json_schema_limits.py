@@ -33,17 +33,23 @@ def _bounded_pattern(node: dict[str, Any]) -> bool:
 
 
 def _problems_here(node: dict[str, Any]) -> Iterator[str]:
+    """This schema's own problems. A keyword whose schema gives no ``type`` counts as if it named its type: xgrammar
+    enforces it no better there."""
     types = _types(node)
-    if types & {"integer", "number"} and "multipleOf" in node:
+
+    def typed(kind: str) -> bool:
+        return not types or kind in types
+
+    if (typed("integer") or typed("number")) and "multipleOf" in node:
         yield "multipleOf"
-    if "array" in types:
+    if typed("array"):
         yield from (key for key in ("uniqueItems", "contains", "minContains", "maxContains") if key in node)
-    if "string" in types:
-        if "format" in node and node["format"] not in STRING_FORMATS:
+    if typed("string"):
+        if isinstance(node.get("format"), str) and node["format"] not in STRING_FORMATS:
             yield f"format {node['format']!r}"
         if _bounded_pattern(node):
             yield "minLength/maxLength with a pattern or format"
-    if "object" in types:
+    if typed("object"):
         names, patterns = node.get("propertyNames"), node.get("patternProperties")
         if "propertyNames" in node and (
                 (isinstance(names, dict) and _bounded_pattern(names)) or "patternProperties" in node
@@ -55,18 +61,35 @@ def _problems_here(node: dict[str, Any]) -> Iterator[str]:
         yield "allOf with more than one branch"
 
 
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose value maps names to schemas."""
+SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+"""Keywords whose value is a list of schemas (``items`` too, in its older form)."""
+SCHEMA_VALUES = frozenset({"items", "additionalProperties", "additionalItems", "unevaluatedProperties",
+                           "unevaluatedItems", "contains", "propertyNames", "not", "if", "then", "else"})
+"""Keywords whose value is one schema. Anything else (``enum``, ``const``, ``default``, ``examples``…) is data and
+is not searched: a ``default`` that happens to hold ``"multipleOf"`` says nothing about the output."""
+
+
+def _subschemas(node: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    for key, value in node.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            yield from ((f"{key}.{name}", child) for name, child in value.items())
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            yield from ((f"{key}.{i}", child) for i, child in enumerate(value))
+        elif key in SCHEMA_VALUES and isinstance(value, dict):
+            yield key, value
+
+
 def unsupported_features(schema: Any, where: str = "") -> list[str]:
     """Each feature of ``schema`` that constrained decoding could not enforce, as ``"<feature> at <path>"`` (the
-    path in the schema, empty at its root); an empty list when the output will follow the whole schema."""
-    found: list[str] = []
-    if isinstance(schema, dict):
-        found += [f"{problem} at {where or 'the root'}" for problem in _problems_here(schema)]
-        children = schema.items()
-    elif isinstance(schema, list):
-        children = ((str(i), item) for i, item in enumerate(schema))
-    else:
-        return found
-    for key, child in children:
-        if isinstance(child, dict | list):
-            found += unsupported_features(child, f"{where}.{key}" if where else str(key))
+    path in the schema, "the root" for its top); an empty list when the output will follow the whole schema.
+
+    vLLM's own check (``has_xgrammar_unsupported_json_features``) also searches data such as ``default`` values, so
+    the vLLM sampler may still refuse a schema this passes, with vLLM's message."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{problem} at {where or 'the root'}" for problem in _problems_here(schema)]
+    for key, child in _subschemas(schema):
+        found += unsupported_features(child, f"{where}.{key}" if where else key)
     return found

@@ -45,6 +45,9 @@ def without_ids(calls: list[dict]) -> list[tuple[str, dict]]:
     ({"type": "object", "patternProperties": {"^a": {}, "^b": {}}},
      ["patternProperties with properties, or more than one pattern at the root"]),
     ({"anyOf": [{"type": ["integer", "null"], "multipleOf": 2}]}, ["multipleOf at anyOf.0"]),
+    ({"properties": {"n": {"multipleOf": 3}}}, ["multipleOf at properties.n"]),  # no type: not enforced either
+    ({"$defs": {"Tags": {"type": "array", "uniqueItems": True}}, "items": {"$ref": "#/$defs/Tags"}},
+     ["uniqueItems at $defs.Tags"]),
 ])
 def test_features_xgrammar_would_ignore_are_named_with_where_they_are(schema, found):
     assert unsupported_features(schema) == found
@@ -59,6 +62,11 @@ def test_what_xgrammar_enforces_passes():
         "extra": {"type": "object", "patternProperties": {"^x": {"type": "number"}}},
         "$defs": {"type": "object"}}}
     assert unsupported_features(schema) == []
+    data_not_schemas = {"type": "object", "properties": {
+        "type": {"type": "string"}, "allOf": {"type": "integer"}, "format": {"type": "string"},
+        "n": {"type": "integer", "default": {"type": "integer", "multipleOf": 2}},
+        "tags": {"enum": [{"type": "array", "uniqueItems": True}], "examples": [{"format": "phone"}]}}}
+    assert unsupported_features(data_not_schemas) == []
     assert unsupported_features(True) == [] and unsupported_features({}) == []
 
 
