@@ -47,14 +47,14 @@ def _check_schema(schema: str) -> None:
     _convert(schema, xgr.Grammar.from_json_schema)
 
 
-def _convert(schema: str, convert):
-    """``convert(schema, any_whitespace=True, strict_mode=True)`` (vLLM's settings), its failure a ``UserError``."""
+def _convert(schema: str, convert, any_whitespace: bool = True):
+    """``convert(schema, any_whitespace=…, strict_mode=True)`` (vLLM's settings), its failure a ``UserError``."""
     try:
         parsed = json.loads(schema)
     except ValueError as exc:
         raise UserError(f"the JSON schema of the output constraint is not valid JSON: {exc}") from None
     try:
-        converted = convert(schema, any_whitespace=True, strict_mode=True)
+        converted = convert(schema, any_whitespace=any_whitespace, strict_mode=True)
     except RuntimeError as exc:  # xgrammar's C++ errors, prefixed with a timestamp and a source location
         reason = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", "", str(exc).strip()).splitlines()[0]
         raise UserError(f"the JSON schema of the output constraint cannot be used: {reason}") from None
@@ -97,11 +97,13 @@ class JsonGrammars:
     """xgrammar's compiler for one tokenizer, and the grammars it compiled. The compiler is made on first use: it
     reads the whole vocabulary, which a server that never sees a constraint need not pay for."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False) -> None:
         """``vocab_size``: the width of the model's logits (its config's ``vocab_size``), which may exceed the
-        tokenizer's vocabulary; the ids beyond it are never allowed."""
+        tokenizer's vocabulary; the ids beyond it are never allowed. ``disable_any_whitespace``: JSON without the
+        optional whitespace between tokens, compiled as vLLM compiles it for its setting of that name."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._compact = disable_any_whitespace
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiled = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile)
 
@@ -120,4 +122,7 @@ class JsonGrammars:
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the lru_cache above is the cache
-        return _convert(schema, self._compiler.compile_json_schema)
+        if not self._compact:
+            return _convert(schema, self._compiler.compile_json_schema)
+        return _convert(schema, functools.partial(self._compiler.compile_json_schema, separators=(",", ":")),
+                        any_whitespace=False)

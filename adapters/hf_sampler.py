@@ -36,9 +36,11 @@ class TransformersSampler:
     """One base model in transformers, sampled with any number of LoRA adapters (standard PEFT directories)."""
 
     def __init__(self, location: str, max_batch_sequences: int = 32, max_resident: int = 8,
-                 threads: int | None = None, dtype: str = "auto", max_model_len: int | None = None) -> None:
+                 threads: int | None = None, dtype: str = "auto", max_model_len: int | None = None,
+                 disable_any_whitespace: bool = False) -> None:
         """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
-        completion (unset, or beyond it: the model's context)."""
+        completion (unset, or beyond it: the model's context). ``disable_any_whitespace``: constrained JSON without
+        optional whitespace, as vLLM's setting of that name."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
@@ -60,7 +62,7 @@ class TransformersSampler:
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._decoder = BatchDecoder(self._forward, self.device, self.pad_id, self.eos_ids, self.tokenizer.decode,
-                                     JsonGrammars(self.tokenizer, int(config.vocab_size)))
+                                     JsonGrammars(self.tokenizer, int(config.vocab_size), disable_any_whitespace))
         self._facts = SamplerFacts(
             backend="transformers", vocab_size=int(config.vocab_size),
             max_context=min(int(getattr(config, "max_position_embeddings", 2048)), max_model_len or 1 << 62),

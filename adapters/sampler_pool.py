@@ -41,6 +41,8 @@ class SamplerPlacement:
     max_resident: int = 8
     dtype: str = "auto"
     max_model_len: int | None = None
+    disable_any_whitespace: bool = False
+    """Constrained JSON without optional whitespace (``--disable-any-whitespace``)."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     resources: dict[str, float] | None = None
 
@@ -56,13 +58,15 @@ class SamplerActor:
             from adapters.vllm_sampler import VLLMSampler
 
             self.impl = VLLMSampler(location, max_resident=p.max_resident, dtype=p.dtype,
-                                    max_model_len=p.max_model_len, options=p.vllm, on_engine_dead=_exit_soon)
+                                    max_model_len=p.max_model_len, options=p.vllm, on_engine_dead=_exit_soon,
+                                    disable_any_whitespace=p.disable_any_whitespace)
         else:
             from adapters.hf_sampler import TransformersSampler
 
             self.impl = TransformersSampler(location, max_batch_sequences=p.max_batch_sequences,
                                             max_resident=p.max_resident, threads=p.threads, dtype=p.dtype,
-                                            max_model_len=p.max_model_len)
+                                            max_model_len=p.max_model_len,
+                                            disable_any_whitespace=p.disable_any_whitespace)
 
     def facts(self) -> SamplerFacts:
         return self.impl.facts()

@@ -69,9 +69,11 @@ class VLLMSampler:
     """One base model in a vLLM ``AsyncLLM`` engine, sampled with any number of LoRA adapters."""
 
     def __init__(self, location: str, max_resident: int = 8, dtype: str = "auto", max_model_len: int | None = None,
-                 options: VLLMOptions = VLLMOptions(), on_engine_dead: Callable[[], None] | None = None) -> None:
+                 options: VLLMOptions = VLLMOptions(), on_engine_dead: Callable[[], None] | None = None,
+                 disable_any_whitespace: bool = False) -> None:
         """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
-        completion (unset: the model's context). ``on_engine_dead``: called once if the engine dies."""
+        completion (unset: the model's context). ``on_engine_dead``: called once if the engine dies.
+        ``disable_any_whitespace``: constrained JSON without optional whitespace (vLLM's own setting)."""
         if options.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"vLLM accepts a max LoRA rank of {', '.join(map(str, VLLM_LORA_RANKS))}; "
                              f"got {options.max_lora_rank}")
@@ -102,7 +104,8 @@ class VLLMSampler:
             enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=-1, disable_log_stats=True,
             # xgrammar always, never another engine by vLLM's "auto" choice: the transformers sampler compiles
             # constraints with xgrammar too (adapters.grammar), so both accept the same texts.
-            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
+                                                              disable_any_whitespace=disable_any_whitespace),
             worker_extension_cls="adapters.vllm_patches.VLLMCorrections", **extra)
         self.decoded_tokens = 0
         """Every token the engine decoded (from its own per-step statistics), including those of requests whose

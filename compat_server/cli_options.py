@@ -120,6 +120,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-temperature", type=float, default=d.max_temperature,
                         help="OpenAI routes: highest temperature accepted, as in vLLM and OpenAI's API; a higher "
                              "value works with --sampler-backend transformers only (default: %(default)s)")
+    parser.add_argument("--disable-any-whitespace", action="store_true",
+                        help="constrained JSON (response_format, forced tool calls) is written without the optional "
+                             "whitespace between its tokens, as vLLM's structured_outputs_config."
+                             "disable_any_whitespace does: small models that would write spaces and newlines until "
+                             "max_tokens finish their JSON (default: any whitespace, as in vLLM)")
     parser.add_argument("--client-side-custom-losses", action="store_true",
                         help="run custom losses (ServiceClient.create_custom_loss) in the client, as the SDK does "
                              "without server support: a forward, the loss on the client, then a backward. By "
@@ -245,6 +250,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         vllm_kv_cache_gb=args.vllm_kv_cache_gb,
         max_num_samples=args.max_num_samples, max_logprobs_k=args.max_logprobs_k, max_logprobs=args.max_logprobs,
         max_stop_strings=args.max_stop_strings, max_temperature=args.max_temperature,
+        disable_any_whitespace=args.disable_any_whitespace,
         custom_loss_server_side=not args.client_side_custom_losses, custom_loss_max_nodes=args.custom_loss_max_nodes,
         custom_loss_max_nesting=args.custom_loss_max_nesting, custom_loss_max_constants=args.custom_loss_max_constants,
         custom_loss_max_elements=args.custom_loss_max_elements,

@@ -62,6 +62,8 @@ class ServerConfig:
     max_logprobs: int = 20
     """OpenAI routes: most logprobs per position (``logprobs``, ``top_logprobs``, ``prompt_logprobs``); vLLM's 20."""
     max_temperature: float | None = 2.0
+    disable_any_whitespace: bool = False
+    """Constrained JSON without optional whitespace (vLLM's ``structured_outputs_config.disable_any_whitespace``)."""
     """OpenAI routes: the highest ``temperature`` accepted (vLLM's 2; None: any, which only the transformers sampler
     can run: vLLM itself refuses more than 2)."""
     custom_loss_server_side: bool = True

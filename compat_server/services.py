@@ -132,6 +132,7 @@ async def start_services(config: ServerConfig) -> Services:
         resources=config.sampler_resources or None,
         threads=config.sampler_threads, max_batch_sequences=config.sampler_batch,
         max_resident=config.max_resident_adapters, dtype=config.sampler_dtype, max_model_len=config.max_model_len,
+        disable_any_whitespace=config.disable_any_whitespace,
         vllm=VLLMOptions(
             max_lora_rank=config.max_lora_rank, max_loras=config.vllm_max_loras,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization or (
