@@ -67,6 +67,10 @@ def _schema_constraint(schema: dict | str | None, param: str) -> OutputConstrain
 def output_constraint(req: ChatRequest | CompletionRequest, tools: ToolMode) -> OutputConstraint | None:
     """What the output must be: a forced tool call's JSON, else ``response_format``, else ``structured_outputs``."""
     if tools.schema is not None:
+        # A tool's schema is checked first, so that a problem is named where the client wrote it
+        for i, tool in enumerate(getattr(req, "tools", None) or []):
+            if tools.kind == "required" or tool.function.name == tools.name:
+                _schema_constraint(tool.function.parameters, f"tools.{i}.function.parameters")
         return _schema_constraint(tools.schema, "tools")
     asked = []
     fmt = req.response_format

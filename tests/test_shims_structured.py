@@ -98,10 +98,14 @@ def test_each_way_of_asking_for_json_becomes_one_constraint():
      "needs json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "guided_json": {}}, "response_format", "give one of"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "only json and json_object"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}], "tool_choice": "required"},
+     "tools.1.function.parameters", "follow it: multipleOf at properties.n"),
 ])
 def test_a_constraint_that_cannot_be_honoured_is_a_400_naming_its_parameter(fields, param, fragment):
+    req = chat(**fields)
     with pytest.raises(OpenAIError) as info:
-        output_constraint(chat(**fields), tool_mode(chat()))
+        output_constraint(req, tool_mode(req))
     assert info.value.status == 400 and info.value.param == param and fragment in info.value.message
 
 
