@@ -67,11 +67,12 @@ def _schema_constraint(schema: dict | str | None, param: str) -> OutputConstrain
 def output_constraint(req: ChatRequest | CompletionRequest, tools: ToolMode) -> OutputConstraint | None:
     """What the output must be: a forced tool call's JSON, else ``response_format``, else ``structured_outputs``."""
     if tools.schema is not None:
-        # A tool's schema is checked first, so that a problem is named where the client wrote it
+        # Each forced tool's schema is checked where the client wrote it; the calls' schema that tool_mode built
+        # around them adds nothing the grammar engine could refuse, so it is not compiled a second time here.
         for i, tool in enumerate(getattr(req, "tools", None) or []):
             if tools.kind == "required" or tool.function.name == tools.name:
                 _schema_constraint(tool.function.parameters, f"tools.{i}.function.parameters")
-        return _schema_constraint(tools.schema, "tools")
+        return OutputConstraint(json_schema=json.dumps(tools.schema))
     asked = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
