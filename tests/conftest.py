@@ -71,7 +71,8 @@ def keyed_server(model_cache, tmp_path_factory):
     """A server with ``--auth keys`` and registered keys (name → key): ``alice`` and ``bob`` for the multi-tenant
     tests, ``revoked-soon`` for the revocation test, ``logs-out`` for ``tinker auth logout``,
     ``token-holder`` for a token outliving its key. Its expiry sweep runs hourly, so an expired checkpoint's files
-    stay on disk and what refuses it is the check at use."""
+    stay on disk and what refuses it is the check at use. It also runs ``--disable-any-whitespace`` (its constrained
+    JSON is compact), which no other test of it reads."""
     from tests.helpers import keys_command
     from tests.server import start_server
 
@@ -81,7 +82,8 @@ def keyed_server(model_cache, tmp_path_factory):
         created = keys_command(data_dir, "create", "--name", name)
         assert created.returncode == 0, created.stderr
         issued[name] = created.stdout.strip()
-    running = start_server(data_dir, "--auth", "keys", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "3600")
+    running = start_server(data_dir, "--auth", "keys", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "3600",
+                           "--disable-any-whitespace")
     yield running, issued
     running.stop()
 

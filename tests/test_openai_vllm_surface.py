@@ -112,6 +112,33 @@ def test_logprobs_under_a_json_constraint_are_the_models_own(oai, tokenizer, ref
         assert top == pytest.approx(want, abs=2e-4)
 
 
+def test_a_schema_constrained_decoding_cannot_enforce_is_a_400_and_the_server_keeps_serving(oai):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}, "required": ["n"]}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=BASE_MODEL, messages=ASK, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    error = info.value.body
+    assert error["param"] == "response_format.json_schema.schema" and "multipleOf at properties.n" in error["message"]
+    assert oai.chat.completions.create(model=BASE_MODEL, messages=ASK, max_tokens=2).choices[0].message is not None
+
+
+def test_with_disable_any_whitespace_greedy_json_is_compact_and_complete(keyed_server, tokenizer):
+    """``--disable-any-whitespace`` (the keyed server runs with it): the tiny random model, greedy, with nothing
+    keeping it off whitespace, answers JSON that parses; under the default grammar it writes whitespace until
+    ``max_tokens`` (the other tests here ban whitespace tokens with ``logit_bias`` for that reason)."""
+    server, issued = keyed_server
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=issued["alice"], max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
+              "required": ["city"]}
+    quote = str(tokenizer.convert_tokens_to_ids('"'))
+    reply = client.chat.completions.create(model=BASE_MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                           logit_bias={quote: 5}, response_format={
+                                               "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    text = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and json.loads(text)["city"] in ("Paris", "London"), text
+    assert text == json.dumps(json.loads(text), separators=(",", ":")), text
+
+
 def test_vllms_prompt_logprobs_extension(oai, tokenizer, reference):
     prompt = tokenizer.encode("hello model", add_special_tokens=False)
     expected, table = prompt_logprobs(reference, prompt)
