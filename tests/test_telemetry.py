@@ -78,7 +78,8 @@ def test_each_request_is_one_trace_with_queue_work_and_records_spans(otel_server
     sampler.sample(types.ModelInput.from_ints([3, 4]), 2, types.SamplingParams(max_tokens=5, stop=[])).result()
     chat = openai.OpenAI(base_url=f"{url}/v1", api_key="tml-test-otel")
     reply = chat.chat.completions.create(model=BASE_MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    service.close("success")
+    resident_while_open = sum(p.value for p in _metric_points(reader)["compat_server.adapters.resident"])
+    service.close("success").result()  # closing the session unloads its training run from the trainer
 
     deadline = time.monotonic() + 10  # an HTTP span ends just after its answer is sent: the client may be faster
     while not any(s.name.startswith("POST /v1/chat/completions") and s.parent is None
@@ -126,7 +127,8 @@ def test_each_request_is_one_trace_with_queue_work_and_records_spans(otel_server
     trained = sum(p.value for p in points["compat_server.tokens.trained"])
     assert trained == 2 * len(datum.model_input.to_ints())
     assert sum(p.value for p in points["compat_server.tokens.sampled"]) == 2 * 5 + reply.usage.completion_tokens
-    assert sum(p.value for p in points["compat_server.adapters.resident"]) == 1
+    assert resident_while_open == 1
+    assert sum(p.value for p in points["compat_server.adapters.resident"]) == 0
     assert [(p.attributes["base_model"], p.value) for p in points["compat_server.sampler.adapters.resident"]] == [
         (BASE_MODEL, 1)]
     assert {p.attributes["state"] for p in points["compat_server.futures"]} == {"pending"}
