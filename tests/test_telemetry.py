@@ -138,48 +138,14 @@ def test_each_request_is_one_trace_with_queue_work_and_records_spans(otel_server
     assert np.isfinite([p.sum for p in points["compat_server.future.duration"]]).all()
 
 
-def test_json_logs_carry_each_lifecycle_event_with_its_facts(model_cache, tmp_path):
-    """--log-format json, set through its environment variable: every line the server prints is a JSON object (its
-    own, uvicorn's, Ray's, and its actors' as Ray forwards them), and the lifecycle events (ready, model created, step
-    done with loss and tokens/s, checkpoint saved, adapter loaded in a sampler actor) have their own fields."""
-    import json
-
-    from tests.server import start_server
-
-    server = start_server(tmp_path / "data", env={"COMPAT_SERVER_LOG_FORMAT": "json"})
-    try:
-        service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-json-logs")
-        client = service.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
-        train(client, make_datum([3, 4], [5, 6]), 1)
-        path = client.save_state("logged").result().path
-        sampler = client.save_weights_and_get_sampling_client().result()
-        sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2)).result()
-        service.close("success")
-    finally:
-        server.stop()
-    entries = [json.loads(line) for line in server.log().splitlines() if line.strip()]
-    events = {}
-    for entry in entries:
-        assert {"time", "level", "logger", "message"} <= set(entry)
-        events.setdefault(entry.get("event"), entry)
-    assert events["ready"]["url"] == server.base_url
-    assert events["model_created"]["model_id"] == client.model_id and events["model_created"]["lora_rank"] == 2
-    step = events["forward_backward_done"]
-    assert step["model_id"] == client.model_id and np.isfinite(step["metrics"]["loss:sum"])
-    assert step["tokens"] == 3 and step["tokens_per_s"] > 0
-    assert events["optim_step_done"]["step"] == 1
-    assert events["checkpoint_saved"]["path"] == path and events["checkpoint_saved"]["bytes"] > 0
-    loaded = events["adapter_loaded"]  # logged in the sampler actor, forwarded by Ray
-    assert loaded["pid"] != events["ready"]["pid"] and loaded["adapter"].startswith(client.model_id)
-
-
-def test_with_an_otlp_endpoint_the_server_exports_traces_and_metrics_over_http(model_cache, tmp_path):
-    """The real server process with --otlp-endpoint, and a small OTLP/HTTP receiver standing in for a collector."""
+@pytest.fixture(scope="module")
+def observed_run(model_cache, tmp_path_factory) -> dict:
+    """One real server process, observed as an operator would: ``--log-format json`` set through its environment
+    variable, and ``--otlp-endpoint`` pointing at a small OTLP/HTTP receiver standing in for a collector. A client
+    trains a step, saves a state, samples from its weights; what the collector received while the server ran, and
+    the whole log once it stopped, are what the tests below read."""
     import gzip
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     from tests.server import start_server
 
@@ -201,39 +167,80 @@ def test_with_an_otlp_endpoint_the_server_exports_traces_and_metrics_over_http(m
 
     collector = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=collector.serve_forever, daemon=True).start()
-    def exported() -> tuple[set[str], set[str], set[str]]:
-        spans, resources = set(), set()
-        for body in list(received["/v1/traces"]):
-            for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
-                resources.update(a.value.string_value for a in resource_spans.resource.attributes
-                                 if a.key == "service.name")
-                spans.update(s.name for scope in resource_spans.scope_spans for s in scope.spans)
-        names = {metric.name for body in list(received["/v1/metrics"])
-                 for resource_metrics in ExportMetricsServiceRequest.FromString(body).resource_metrics
-                 for scope in resource_metrics.scope_metrics for metric in scope.metrics}
-        return spans, resources, names
-
-    wanted_spans = {"forward_backward", "queue", "trainer.forward_backward", "records.add_step"}
-    wanted_metrics = {"compat_server.tokens.trained", "compat_server.futures.finished", "compat_server.queue.depth"}
     # The standard OTEL_* intervals, shortened: spans are batched for 0.5 s, metrics exported every second.
-    server = start_server(tmp_path / "data", "--otlp-endpoint", f"http://127.0.0.1:{collector.server_port}",
-                          env={"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
+    server = start_server(tmp_path_factory.mktemp("observed-data"), "--otlp-endpoint",
+                          f"http://127.0.0.1:{collector.server_port}",
+                          env={"COMPAT_SERVER_LOG_FORMAT": "json", "OTEL_BSP_SCHEDULE_DELAY": "500",
+                               "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
     try:
-        service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-otlp")
+        service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-observed")
         client = service.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
         train(client, make_datum([3, 4], [5, 6]), 1)
-        service.close("success")
+        path = client.save_state("logged").result().path
+        sampler = client.save_weights_and_get_sampling_client().result()
+        sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2)).result()
+        service.close("success").result()
         deadline = time.monotonic() + 60  # exported while the server runs, not only when it exits
         while True:
-            spans, resources, names = exported()
-            if wanted_spans <= spans and wanted_metrics <= names or time.monotonic() > deadline:
+            exported = _exported(received)
+            if (OTLP_SPANS <= exported["spans"] and OTLP_METRICS <= exported["metrics"]
+                    or time.monotonic() > deadline):
                 break
             time.sleep(0.5)
     finally:
         server.stop()
         collector.shutdown()
+    return {"server": server, "model_id": client.model_id, "path": path, "exported": exported}
 
-    assert resources == {"compat-server"}
-    assert wanted_spans <= spans
-    assert any(name.startswith("POST /api/v1/forward_backward") for name in spans)
-    assert wanted_metrics <= names
+
+OTLP_SPANS = {"forward_backward", "queue", "trainer.forward_backward", "records.add_step"}
+OTLP_METRICS = {"compat_server.tokens.trained", "compat_server.futures.finished", "compat_server.queue.depth"}
+
+
+def _exported(received: dict[str, list[bytes]]) -> dict[str, set[str]]:
+    """Span names, service names and metric names in what the collector received so far."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    spans, resources = set(), set()
+    for body in list(received["/v1/traces"]):
+        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+            resources.update(a.value.string_value for a in resource_spans.resource.attributes
+                             if a.key == "service.name")
+            spans.update(s.name for scope in resource_spans.scope_spans for s in scope.spans)
+    names = {metric.name for body in list(received["/v1/metrics"])
+             for resource_metrics in ExportMetricsServiceRequest.FromString(body).resource_metrics
+             for scope in resource_metrics.scope_metrics for metric in scope.metrics}
+    return {"spans": spans, "resources": resources, "metrics": names}
+
+
+def test_json_logs_carry_each_lifecycle_event_with_its_facts(observed_run):
+    """Every line the server printed is a JSON object (its own, uvicorn's, Ray's, and its actors' as Ray forwards
+    them), and the lifecycle events (ready, model created, step done with loss and tokens/s, checkpoint saved, adapter
+    loaded in a sampler actor) have their own fields."""
+    import json
+
+    server, model_id = observed_run["server"], observed_run["model_id"]
+    entries = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    events = {}
+    for entry in entries:
+        assert {"time", "level", "logger", "message"} <= set(entry)
+        events.setdefault(entry.get("event"), entry)
+    assert events["ready"]["url"] == server.base_url
+    assert events["model_created"]["model_id"] == model_id and events["model_created"]["lora_rank"] == 2
+    step = events["forward_backward_done"]
+    assert step["model_id"] == model_id and np.isfinite(step["metrics"]["loss:sum"])
+    assert step["tokens"] == 3 and step["tokens_per_s"] > 0
+    assert events["optim_step_done"]["step"] == 1
+    assert events["checkpoint_saved"]["path"] == observed_run["path"] and events["checkpoint_saved"]["bytes"] > 0
+    loaded = events["adapter_loaded"]  # logged in the sampler actor, forwarded by Ray
+    assert loaded["pid"] != events["ready"]["pid"] and loaded["adapter"].startswith(model_id)
+
+
+def test_with_an_otlp_endpoint_the_server_exports_traces_and_metrics_over_http(observed_run):
+    """The spans and metrics reached the collector over OTLP/HTTP while the server ran, under its service name."""
+    exported = observed_run["exported"]
+    assert exported["resources"] == {"compat-server"}
+    assert OTLP_SPANS <= exported["spans"]
+    assert any(name.startswith("POST /api/v1/forward_backward") for name in exported["spans"])
+    assert OTLP_METRICS <= exported["metrics"]
