@@ -44,10 +44,12 @@ trainer holds by default (64)."""
 
 @pytest.fixture(scope="session")
 def transformers_server(model_cache, tmp_path_factory):
-    """The server most tests share: the default sampler backend on CPU (transformers)."""
+    """The server most tests share: the default sampler backend on CPU (transformers). It runs without
+    HF_HUB_OFFLINE, as a user would, so everything the tests do through it shows that the built-in model never
+    sends the server to the hub (``test_cli_and_model`` reads its log for that)."""
     from tests.server import start_server
 
-    running = start_server(tmp_path_factory.mktemp("server-data"), *SERVER_ARGS)
+    running = start_server(tmp_path_factory.mktemp("server-data"), *SERVER_ARGS, env={"HF_HUB_OFFLINE": "0"})
     yield running
     running.stop()
 

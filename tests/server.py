@@ -27,6 +27,8 @@ class RunningServer:
     log_path: Path
     admin_key: str
     """An operator key (``keys create --admin``): the one that sees server-wide metrics."""
+    env: dict[str, str]
+    """The environment variables the test set for it, beyond its own."""
 
     @property
     def admin(self) -> dict[str, str]:
@@ -88,7 +90,7 @@ def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str]
          "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args],
         stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
     )
-    server = RunningServer(process, f"http://127.0.0.1:{port}", data_dir, log_path, admin_key)
+    server = RunningServer(process, f"http://127.0.0.1:{port}", data_dir, log_path, admin_key, dict(env or {}))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

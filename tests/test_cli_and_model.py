@@ -63,20 +63,16 @@ def test_tiny_model_builds_deterministically_with_a_real_chat_tokenizer(tiny_mod
     assert tok.eos_token == "<|im_end|>" and len(tok) == config.vocab_size
 
 
-def test_the_built_in_model_never_sends_the_server_to_the_hub(model_cache, tmp_path):
-    """Without HF_HUB_OFFLINE (as a user would run it), nothing the server does for the built-in model asks the
-    Hugging Face hub: no network is needed, and none is tried (here it would mean half a minute of retries)."""
+def test_the_built_in_model_never_sends_the_server_to_the_hub(server):
+    """Without HF_HUB_OFFLINE (as a user would run it, and as the shared test server runs), nothing the server does
+    for the built-in model asks the Hugging Face hub: no network is needed, and none is tried (here it would mean
+    half a minute of retries, and the hub's address in the log)."""
     import openai
 
     from tests.helpers import BASE_MODEL
-    from tests.server import start_server
 
-    server = start_server(tmp_path / "data", env={"HF_HUB_OFFLINE": "0"})
-    try:
-        chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-offline")
-        reply = chat.chat.completions.create(model=BASE_MODEL, max_tokens=3,
-                                             messages=[{"role": "user", "content": "hi"}])
-        assert reply.usage.completion_tokens > 0
-    finally:
-        server.stop()
+    assert server.env.get("HF_HUB_OFFLINE") == "0"
+    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-offline")
+    reply = chat.chat.completions.create(model=BASE_MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert reply.usage.completion_tokens > 0
     assert "huggingface.co" not in server.log()
