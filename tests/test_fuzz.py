@@ -369,5 +369,5 @@ def test_tiny_bodies_stating_huge_sizes_or_depths_are_refused_without_memory_or_
     grown = server_process.memory_info().rss - rss_before
     print(f"server RSS grew {grown / 2**20:.0f} MiB; slowest /healthz {slowest[0] * 1000:.0f} ms during the attack")
     assert grown < 256 * 2**20  # once: +1 GiB per datum
-    assert slowest[0] < 2.0  # once: the event loop blocked ~7 s per datum
+    assert slowest[0] < 5.0  # once: the event loop blocked ~7 s per datum
     _assert_unchanged_and_serving(fuzz_server, stored, before)

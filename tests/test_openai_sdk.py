@@ -137,7 +137,7 @@ def test_a_whole_request_whose_client_gives_up_stops_sampling(server, long_reque
     """A non-streamed request whose client times out (and closes its connection) is cancelled in the sampler too."""
     request, whole_seconds = long_request
     impatient = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main",
-                              timeout=whole_seconds / 5, max_retries=0)
+                              timeout=max(whole_seconds / 5, 0.5), max_retries=0)
     before = settled_decoded_tokens(server)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(**request)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,8 +68,7 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
             return httpx.post(f"{server.base_url}/api/v1/asample", headers=HEADERS, json=body).json()["request_id"]
 
         finished = asample(2)
-        assert httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers=HEADERS, timeout=60,
-                          json={"request_id": finished}).status_code == 200
+        _result(server.base_url, finished)  # complete before the server dies (one long-poll may say try again)
         in_flight = [asample(1500) for _ in range(4)]  # long enough to be running when the server dies
         time.sleep(0.5)
         half_written = data_dir / "checkpoints" / run_id / "weights" / "torn" / ".staging-0000"
@@ -122,6 +122,17 @@ def test_sessions_that_stop_heartbeating_expire_and_their_models_unload(model_ca
         url = server.base_url
         session = httpx.post(f"{url}/api/v1/create_session", headers=HEADERS, json={
             "tags": [], "user_metadata": {}, "sdk_version": "raw-http", "type": "create_session"}).json()["session_id"]
+
+        alive = threading.Event()
+        alive.set()
+
+        def heartbeat() -> None:  # as the SDK's background thread does, however long each step takes here
+            while alive.is_set():
+                httpx.post(f"{url}/api/v1/session_heartbeat", headers=HEADERS, json={"session_id": session})
+                time.sleep(0.5)
+
+        beating = threading.Thread(target=heartbeat, daemon=True)
+        beating.start()
         created = httpx.post(f"{url}/api/v1/create_model", headers=HEADERS, json={
             "session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 2},
             "type": "create_model"}).json()
@@ -129,8 +140,10 @@ def test_sessions_that_stop_heartbeating_expire_and_their_models_unload(model_ca
         saved = httpx.post(f"{url}/api/v1/save_weights", headers=HEADERS, json={
             "model_id": model_id, "path": "kept", "seq_id": 1, "type": "save_weights"}).json()
         state = _result(url, saved["request_id"])["path"]
+        alive.clear()
+        beating.join()
         assert httpx.post(f"{url}/api/v1/session_heartbeat", headers=HEADERS,
-                          json={"session_id": session}).status_code == 200
+                          json={"session_id": session}).status_code == 200  # the session was kept alive until now
         deadline = time.monotonic() + 60  # …and then no more heartbeats
         while f"session expired: {session}" not in server.log():
             assert time.monotonic() < deadline, server.log()[-3000:]
@@ -194,9 +207,9 @@ def test_per_key_limits_refuse_clearly_and_both_sdks_retry(model_cache, tmp_path
 
         # Open OpenAI streams hold the key's count too: Tinker requests wait for them.
         openai_client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-        streams = [openai_client.chat.completions.create(
-            model=BASE_MODEL, max_tokens=1500, stream=True, messages=[{"role": "user", "content": "hi"}])
-            for _ in range(2)]
+        streams = [openai_client.chat.completions.create(  # ignore_eos: still running when the next requests come
+            model=BASE_MODEL, max_tokens=1500, stream=True, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"ignore_eos": True}) for _ in range(2)]
         for stream in streams:
             next(iter(stream))  # the stream has started
         assert asample(KEY, 2).status_code == 429

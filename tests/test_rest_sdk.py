@@ -125,11 +125,11 @@ def test_checkpoints_expire_and_ttls_are_checked(tenant, server):
     short = runs[2].save_weights_for_sampler("short-lived").result().path
     with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be between"):
         rest.set_checkpoint_ttl_from_tinker_path(short, 11 * 365 * 24 * 3600).result()
-    rest.set_checkpoint_ttl_from_tinker_path(short, 2).result()
-    listed = {c.tinker_path: c for c in rest.list_checkpoints(runs[2].model_id).result().checkpoints}
-    assert listed[short].expires_at is not None
     directory = checkpoint_dir(server.data_dir, short)
     assert directory.exists()
+    rest.set_checkpoint_ttl_from_tinker_path(short, 4).result()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(runs[2].model_id).result().checkpoints}
+    assert listed[short].expires_at is not None
     deadline = time.monotonic() + 20
     while directory.exists() and time.monotonic() < deadline:  # the sweep runs every second on this server
         time.sleep(0.5)

@@ -25,7 +25,7 @@ def datum(sid: str) -> DatumArrays:
 
 def test_records_are_session_scoped_expire_and_are_kept_alive_by_use(tmp_path):
     records = Records(tmp_path / "r.sqlite3")
-    store = StabilityStore(records, ttl_seconds=0.6)
+    store = StabilityStore(records, ttl_seconds=2.0)
     store.record("owner", "session-a", ["a:0", "a:1"], [5, 6], [([20, 21], [-0.1, -0.2]), ([30], [-0.3])])
     (attached,) = store.attach("owner", "session-a", "stable_reinforce", [datum("a:0")])
     np.testing.assert_allclose(attached.loss_fn_inputs["recorded_logprobs"], [0, -0.1, -0.2], rtol=1e-6)
@@ -36,8 +36,8 @@ def test_records_are_session_scoped_expire_and_are_kept_alive_by_use(tmp_path):
         store.attach("owner", "session-b", "stable_reinforce", [datum("a:0")])
     with pytest.raises(UserError, match="no recorded stability info"):
         store.attach("another-owner", "session-a", "stable_reinforce", [datum("a:0")])  # other tenants see nothing
-    for _ in range(3):  # each use restarts the TTL: a:0 stays usable well past 0.6 s, a:1 (never used) does not
-        time.sleep(0.35)
+    for _ in range(3):  # each use restarts the TTL: a:0 stays usable well past 2 s, a:1 (never used) does not
+        time.sleep(0.8)
         store.attach("owner", "session-a", "stable_reinforce", [datum("a:0")])
     with pytest.raises(UserError, match="expired"):
         store.attach("owner", "session-a", "stable_reinforce", [datum("a:1")])

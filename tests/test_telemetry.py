@@ -180,11 +180,13 @@ def observed_run(model_cache, tmp_path_factory) -> dict:
         sampler = client.save_weights_and_get_sampling_client().result()
         sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2)).result()
         service.close("success").result()
-        deadline = time.monotonic() + 60  # exported while the server runs, not only when it exits
+        # Exported while the server runs, not only when it exits; and the sampler actor's log line, which Ray
+        # forwards a moment later, reaches the log before the server stops.
+        deadline = time.monotonic() + 60
         while True:
             exported = _exported(received)
             if (OTLP_SPANS <= exported["spans"] and OTLP_METRICS <= exported["metrics"]
-                    or time.monotonic() > deadline):
+                    and '"adapter_loaded"' in server.log() or time.monotonic() > deadline):
                 break
             time.sleep(0.5)
     finally:
