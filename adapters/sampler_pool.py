@@ -18,7 +18,7 @@ from adapters.actors import ActorRestarting, ActorUnavailable, call_actor, ray_n
 from adapters.base_models import BaseModelSpec
 from adapters.logs import configure_logging
 from adapters.sampler import AdapterRef, Restarting, SamplerFacts
-from adapters.vllm_sampler import VLLMOptions
+from adapters.vllm_options import VLLMOptions
 from shims.sample_job import SampleJob, SampleResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")

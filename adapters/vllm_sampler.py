@@ -20,7 +20,6 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.base_models import resolve_dtype
@@ -34,32 +33,12 @@ from adapters.sampler import (
     Restarting,
     SamplerFacts,
 )
+from adapters.vllm_options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS, VLLMOptions
 from adapters.vllm_results import CollectedOutputs
 from shims.errors import UserError
 from shims.sample_job import OutputConstraint, SampleJob, SampleResult
 
 log = logging.getLogger("compat_server.sampler")
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM 0.32 accepts as ``max_lora_rank``; adapters of any rank up to it load."""
-
-CPU_KV_CACHE_GB = 1.0
-"""KV cache of a vLLM engine on CPU when none is configured: vLLM's CPU default (a share of the machine's memory)
-is far more than a sampler replica needs beside the trainer and Ray."""
-
-
-@dataclass(frozen=True)
-class VLLMOptions:
-    """Settings only the vLLM engine has (server options ``--max-lora-rank`` and ``--vllm-*``)."""
-
-    max_lora_rank: int = 64
-    max_loras: int = 4
-    """Adapters one engine step may mix (vLLM's ``max_loras``, GPU slots); capped by the resident limit."""
-    gpu_memory_utilization: float | None = None
-    """Fraction of the GPU the engine may take (unset: vLLM's default). Unused on CPU."""
-    kv_cache_gb: float | None = None
-    """KV cache size; unset: from ``gpu_memory_utilization`` on a GPU, ``CPU_KV_CACHE_GB`` on CPU."""
-
 
 class EngineDead(RuntimeError):
     """The vLLM engine died; this replica cannot serve until it is restarted."""
@@ -69,11 +48,12 @@ class VLLMSampler:
     """One base model in a vLLM ``AsyncLLM`` engine, sampled with any number of LoRA adapters."""
 
     def __init__(self, location: str, max_resident: int = 8, dtype: str = "auto", max_model_len: int | None = None,
-                 options: VLLMOptions = VLLMOptions(), on_engine_dead: Callable[[], None] | None = None,
+                 options: VLLMOptions | None = None, on_engine_dead: Callable[[], None] | None = None,
                  disable_any_whitespace: bool = False) -> None:
         """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
         completion (unset: the model's context). ``on_engine_dead``: called once if the engine dies.
         ``disable_any_whitespace``: constrained JSON without optional whitespace (vLLM's own setting)."""
+        options = options or VLLMOptions()
         if options.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"vLLM accepts a max LoRA rank of {', '.join(map(str, VLLM_LORA_RANKS))}; "
                              f"got {options.max_lora_rank}")

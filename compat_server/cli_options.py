@@ -9,7 +9,7 @@ from pathlib import Path
 
 from adapters.base_models import SAMPLER_DTYPES
 from adapters.tiny_model import TINY_MODEL_NAME
-from adapters.vllm_sampler import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
+from adapters.vllm_options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
 from compat_server.config import ServerConfig, default_data_dir
 
 

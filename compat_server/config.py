@@ -8,8 +8,8 @@ from pathlib import Path
 
 from adapters.base_models import SAMPLER_DTYPES
 from adapters.tiny_model import TINY_MODEL_NAME
-from adapters.vllm_sampler import VLLM_LORA_RANKS
-from shims.custom_loss_graph import CustomLossLimits
+from adapters.vllm_options import VLLM_LORA_RANKS
+from shims.custom_loss_limits import CustomLossLimits
 
 
 def default_data_dir() -> Path:

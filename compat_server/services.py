@@ -16,7 +16,7 @@ from adapters.base_models import BaseModelSpec, resolve_base_model
 from adapters.sampler import choose_backend
 from adapters.sampler_pool import SamplerPlacement, SamplerPool
 from adapters.trainer_pool import TrainerPlacement, TrainerPool
-from adapters.vllm_sampler import VLLMOptions
+from adapters.vllm_options import VLLMOptions
 from compat_server import watchdog
 from compat_server.account import AccountService
 from compat_server.checkpoints import CheckpointStore

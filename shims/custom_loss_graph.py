@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shims import custom_loss_ops as ops
+from shims.custom_loss_limits import CustomLossLimits
 from shims.errors import UserError
 
 METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
@@ -23,20 +24,6 @@ NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 MAX_INPUTS = 16
 MAX_STRING = 256
 MAX_INT = 2**63
-
-
-@dataclass(frozen=True)
-class CustomLossLimits:
-    """How large a custom loss may be (``--custom-loss-max-*``)."""
-
-    max_nodes: int = 1000
-    """Nodes in the graph, placeholders and output included."""
-    max_nesting: int = 8
-    """Depth of an argument's lists, tuples, dicts and slices."""
-    max_constants: int = 4096
-    """Scalars and strings in all the graph's arguments together; also the longest tuple or list a step may make."""
-    max_elements: int = 2**26
-    """Tensor elements one datum's loss may compute, all its steps together (2**26 float32 values: 256 MiB)."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,22 @@ def test_help_explains_every_serve_option():
     assert "default: 127.0.0.1" in serve.stdout and "default: 8000" in serve.stdout
 
 
+def test_the_cli_and_the_keys_command_load_no_machine_learning_libraries(tmp_path):
+    """``compat-server keys`` and ``--help`` are operator commands that answer at once: the CLI, the config and the
+    records load neither torch nor vLLM, the grammar engine or transformers (once, ``keys`` imported them all)."""
+    heavy = ("torch", "vllm", "xgrammar", "transformers")
+    probe = ("import sys, runpy\n"
+             "sys.argv = ['compat-server', 'keys', '--data-dir', sys.argv[1], 'create', '--name', 'probe']\n"
+             "try:\n    runpy.run_module('compat_server.cli', run_name='__main__')\n"
+             "except SystemExit as done:\n    assert not done.code, done.code\n"
+             f"print('loaded:', sorted(m for m in {heavy!r} if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "loaded: []", run.stdout
+    assert run.stdout.startswith("tml-")  # the key itself was made
+
+
 def test_invalid_option_values_are_refused_with_the_option_named():
     done = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--samplers", "0",
                            "--max-resident-adapters", "0"], capture_output=True, text=True, check=False)
