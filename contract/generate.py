@@ -1,18 +1,25 @@
 """Generate (or check) the pinned wire contract from the installed tinker and openai SDKs.
 
     python -m contract.generate          # rewrite contract/pinned/*.json
-    python -m contract.generate --check  # exit 1 and show what differs if the installed SDK drifted
+    python -m contract.generate --check  # exit 1 and show the diff if the installed SDKs changed the wire
+
+Each pinned file records the SDK version it was generated from (``sdk_version``). That number is a record, not part
+of the contract: a newer SDK whose schemas, routes and protobuf descriptor are unchanged passes the check, and only a
+change on the wire fails it, with a unified diff of what changed.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 PINNED = Path(__file__).parent / "pinned"
+VERSION_KEY = "sdk_version"
+"""The key under which a pinned file records the version of the SDK it was generated from."""
 
 
 def type_names() -> list[str]:
@@ -63,20 +70,25 @@ def openai_schemas() -> dict:
             for name, module in OPENAI_TYPES.items() if module}
 
 
-def generate() -> dict[str, object]:
+FILES = ("tinker_sdk_calls.json", "tinker_routes.json", "tinker_schemas.json", "tinker_protobuf.json",
+         "openai_schemas.json")
+"""The pinned files; each is generated from the SDK its name starts with."""
+
+
+def generate() -> dict[str, dict]:
     import openai
     import tinker
 
     from contract.routes import TINKER_ROUTES
     from contract.sdk_calls import sdk_routes
 
+    tinker_version = {VERSION_KEY: tinker.__version__}
     return {
-        "tinker_sdk_calls.json": {"sdk_version": tinker.__version__, "calls": sdk_routes()},
-        "tinker_routes.json": {"sdk_version": tinker.__version__, "routes": [asdict(r) for r in TINKER_ROUTES]},
-        "tinker_schemas.json": {"sdk_version": tinker.__version__, "schemas": json_schemas()},
-        "tinker_protobuf.json": {"sdk_version": tinker.__version__, "descriptor": protobuf_descriptor()},
-        "openai_schemas.json": {"sdk_version": openai.__version__, "routes": OPENAI_ROUTES,
-                                "schemas": openai_schemas()},
+        "tinker_sdk_calls.json": {**tinker_version, "calls": sdk_routes()},
+        "tinker_routes.json": {**tinker_version, "routes": [asdict(r) for r in TINKER_ROUTES]},
+        "tinker_schemas.json": {**tinker_version, "schemas": json_schemas()},
+        "tinker_protobuf.json": {**tinker_version, "descriptor": protobuf_descriptor()},
+        "openai_schemas.json": {VERSION_KEY: openai.__version__, "routes": OPENAI_ROUTES, "schemas": openai_schemas()},
     }
 
 
@@ -84,25 +96,65 @@ def render(content: object) -> str:
     return json.dumps(content, indent=1, sort_keys=True) + "\n"
 
 
-def drift() -> list[str]:
-    """Names of pinned files that differ from what the installed SDK generates now."""
-    return [name for name, content in generate().items()
-            if not (PINNED / name).exists() or (PINNED / name).read_text() != render(content)]
+def wire(content: dict) -> dict:
+    """What a pinned file pins: its content without the SDK version it was generated from."""
+    return {key: value for key, value in content.items() if key != VERSION_KEY}
+
+
+def read_pinned(pinned: Path = PINNED) -> dict[str, dict | None]:
+    """Each pinned file's content by name (``None`` where the file is missing)."""
+    return {name: json.loads((pinned / name).read_text()) if (pinned / name).exists() else None
+            for name in FILES}
+
+
+def differences(generated: dict | None = None, pinned: Path = PINNED, max_lines: int = 400) -> dict[str, str]:
+    """A unified diff (pinned → installed) of each pinned file whose wire content differs from what the installed SDKs
+    generate now; a file that differs only in its recorded SDK version is not listed."""
+    generated = generate() if generated is None else generated
+    found = {}
+    for name, was in read_pinned(pinned).items():
+        now = wire(generated[name])
+        if was is not None and wire(was) == now:
+            continue
+        sdk = name.split("_")[0]
+        pinned_label = f"{name} as pinned ({sdk} {was.get(VERSION_KEY)})" if was is not None else f"{name} (missing)"
+        lines = list(difflib.unified_diff(render(wire(was)).splitlines() if was is not None else [],
+                                          render(now).splitlines(), pinned_label,
+                                          f"{name} from the installed {sdk} {generated[name][VERSION_KEY]}",
+                                          lineterm=""))
+        if len(lines) > max_lines:
+            lines = lines[:max_lines] + [f"… {len(lines) - max_lines} more diff lines"]
+        found[name] = "\n".join(lines)
+    return found
+
+
+def version_changes(generated: dict | None = None, pinned: Path = PINNED) -> dict[str, tuple[str, str]]:
+    """``{name: (recorded version, installed version)}`` for pinned files generated from another SDK version."""
+    generated = generate() if generated is None else generated
+    return {name: (was[VERSION_KEY], generated[name][VERSION_KEY]) for name, was in read_pinned(pinned).items()
+            if was is not None and was.get(VERSION_KEY) != generated[name][VERSION_KEY]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args()
+    generated = generate()
     if args.check:
-        changed = drift()
+        changed = differences(generated)
+        for name, (was, now) in version_changes(generated).items():
+            sdk = name.split("_")[0]
+            print(f"{name}: generated from {sdk} {was}, installed {sdk} {now}"
+                  + ("" if name in changed else ": the wire is unchanged (regenerate to record the new version)"))
+        for diff in changed.values():
+            print(diff)
         if changed:
-            print("pinned contract differs from the installed tinker SDK:", ", ".join(changed))
+            print("the wire contract differs from the installed SDKs:", ", ".join(changed))
             sys.exit(1)
-        print("pinned contract matches the installed tinker SDK")
+        print("the wire contract matches the installed SDKs")
         return
     PINNED.mkdir(exist_ok=True)
-    for name, content in generate().items():
+    for name, content in generated.items():
         (PINNED / name).write_text(render(content))
         print("wrote", PINNED / name)
 

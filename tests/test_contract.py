@@ -1,7 +1,9 @@
-"""The wire contract pinned from the tinker SDK: no drift, every pinned route served, live responses conform."""
+"""The wire contract pinned from the tinker and openai SDKs: no change on the wire, every pinned route served, live
+responses conform."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -15,15 +17,70 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from contract.generate import PINNED, drift
+from contract.generate import PINNED, VERSION_KEY, differences, generate, render, version_changes
 from tests.helpers import BASE_MODEL, make_datum
 
 ROUTES = json.loads((PINNED / "tinker_routes.json").read_text())["routes"]
 SCHEMAS = json.loads((PINNED / "tinker_schemas.json").read_text())["schemas"]
 
 
-def test_pinned_contract_matches_installed_sdk():
-    assert drift() == [], "run `python -m contract.generate` and review the diff"
+@pytest.fixture(scope="module")
+def generated() -> dict[str, dict]:
+    """The contract as the installed SDKs give it now."""
+    return generate()
+
+
+def test_pinned_contract_matches_installed_sdks(generated):
+    changed = differences(generated)
+    assert not changed, ("\n\n".join(changed.values()) + "\n\nThe installed SDKs changed the wire contract: adapt the "
+                         "server to the diff above, then run `python -m contract.generate`.")
+
+
+def pinned_copy(directory: Path, contract: dict[str, dict], edit=lambda name, content: None) -> Path:
+    """The contract written as pinned files, each first changed in place by ``edit(name, content)``."""
+    for name, content in copy.deepcopy(contract).items():
+        edit(name, content)
+        (directory / name).write_text(render(content))
+    return directory
+
+
+def test_an_sdk_version_that_changes_nothing_on_the_wire_passes(generated, tmp_path):
+    """A pinned file records the SDK version it was made from; another version with the same wire is no drift."""
+    pinned = pinned_copy(tmp_path, generated, lambda name, content: content.update({VERSION_KEY: "0.0.1"}))
+    assert differences(generated, pinned) == {}
+    assert version_changes(generated, pinned) == {name: ("0.0.1", content[VERSION_KEY])
+                                                  for name, content in generated.items()}
+    assert version_changes(generated, pinned_copy(tmp_path, generated)) == {}
+
+
+def test_a_changed_schema_or_message_fails_with_the_diff(generated, tmp_path):
+    """An SDK that adds a response field and renames a protobuf field: both files are named, each diff shows the
+    change against the SDK versions on both sides; the files it left alone are not listed."""
+    def older(name: str, content: dict) -> None:
+        if name == "openai_schemas.json":
+            del content["schemas"]["ChatCompletion"]["properties"]["system_fingerprint"]
+            content[VERSION_KEY] = "3.0.0"
+        if name == "tinker_protobuf.json":
+            content["descriptor"]["message_type"][0]["field"][0]["name"] = "old_sequences"
+
+    changed = differences(generated, pinned_copy(tmp_path, generated, older))
+    assert sorted(changed) == ["openai_schemas.json", "tinker_protobuf.json"]
+    openai_diff = changed["openai_schemas.json"].splitlines()
+    assert openai_diff[0] == "--- openai_schemas.json as pinned (openai 3.0.0)"
+    installed = generated["openai_schemas.json"][VERSION_KEY]
+    assert openai_diff[1] == f"+++ openai_schemas.json from the installed openai {installed}"
+    added = [line for line in openai_diff[2:] if line[0] == "+"]
+    assert '+    "system_fingerprint": {' in added and '+     "title": "System Fingerprint"' in added
+    assert not any(line[0] == "-" for line in openai_diff[2:])
+    proto_diff = [line[0] + line[1:].strip() for line in changed["tinker_protobuf.json"].splitlines()[2:]
+                  if line[0] in "+-"]
+    assert proto_diff == ['-"name": "old_sequences",', '+"name": "sequences",']
+
+
+def test_a_missing_pinned_file_is_a_difference(generated, tmp_path):
+    pinned = pinned_copy(tmp_path, generated)
+    (pinned / "tinker_routes.json").unlink()
+    assert list(differences(generated, pinned)) == ["tinker_routes.json"]
 
 
 def test_every_pinned_route_is_served(tmp_path: Path):
