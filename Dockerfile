@@ -30,7 +30,7 @@ RUN apt-get update \
 FROM python AS source
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
-COPY pyproject.toml README.md /src/
+COPY pyproject.toml README.md constraints.txt /src/
 COPY compat_server /src/compat_server
 COPY shims /src/shims
 COPY adapters /src/adapters
@@ -40,13 +40,14 @@ FROM source AS build-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG WHEELS_DIR=
 ARG CA_BUNDLE=
-# torch first and alone: the pinned CPU build, not the multi-GB CUDA one a plain index would give.
-# (Set through the environment so that pip's build-isolation subprocesses see them too.)
+# torch first and alone: the pinned CPU build, not the multi-GB CUDA one a plain index would give. Then the rest at the
+# versions of the lock CI tests (constraints.txt). (Set through the environment so that pip's build-isolation
+# subprocesses see them too.)
 RUN set -e; \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
     if [ -n "$WHEELS_DIR" ]; then export PIP_FIND_LINKS="$WHEELS_DIR"; fi; \
     /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==2.13.0"; \
-    /opt/venv/bin/pip install /src; \
+    /opt/venv/bin/pip install -c /src/constraints.txt /src; \
     /opt/venv/bin/pip check; \
     find /opt/venv -name __pycache__ -prune -exec rm -rf {} +
 

@@ -16,6 +16,13 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_report_header(config) -> str:
+    """The SDK and engine versions this run tests against, and where they differ from the lock."""
+    from tests.install_lock import wire_facing_summary
+
+    return "wire-facing packages: " + wire_facing_summary()
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
     """Build the tiny model once per test session and point every server at that cache."""

@@ -1,25 +1,38 @@
 """A client environment for tinker-cookbook recipes, as a user would have beside the server.
 
-tinker-cookbook 0.6.1 (from the package registry) declares ``tml-renderers>=0.4.1``, which the registry does not
-carry; that package is imported lazily and only for Kimi/Inkling models and audio recipes, none of which run here.
-So the recipe environment installs tinker-cookbook without its declared dependencies and then every other one it
-declares (plus its ``math-rl`` extra), in a virtualenv of its own (so the server environment's ``pip check`` stays
-clean). The virtualenv also sees this interpreter's packages (torch, transformers, tinker), so nothing heavy is
-installed twice.
+The cookbook and its extras are named in ``cookbook-requirements.in``. It declares a dependency the package
+registry does not carry (``cookbook-unavailable.txt``), so the recipe environment installs tinker-cookbook without
+its declared dependencies and then every other one it declares (with those extras), in a virtualenv of its own (so
+the server environment's ``pip check`` stays clean). Every install is held to the versions of the repository's lock
+(``constraints.txt``, which ``.ci/lock`` resolves with the cookbook in it), and the environment is rebuilt when the
+lock changes. The virtualenv also sees this interpreter's packages (torch, transformers, tinker), so nothing heavy
+is installed twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
-COOKBOOK = "tinker-cookbook==0.6.1"
-UNAVAILABLE = {"tml-renderers"}
-EXTRAS = {"math-rl"}
-ROOT = Path(__file__).resolve().parent.parent
+from packaging.requirements import Requirement
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LOCK = ROOT / "constraints.txt"
+
+
+def _requirements(path: Path) -> list[Requirement]:
+    return [Requirement(line) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+(_COOKBOOK,) = _requirements(HERE / "cookbook-requirements.in")
+COOKBOOK = f"{_COOKBOOK.name}{_COOKBOOK.specifier}"
+EXTRAS = set(_COOKBOOK.extras)
+UNAVAILABLE = {requirement.name for requirement in _requirements(HERE / "cookbook-unavailable.txt")}
 
 _REQUIREMENTS = """
 import re
@@ -34,8 +47,8 @@ for line in requires("tinker-cookbook") or []:
 
 
 def _pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
-                   check=True, timeout=900)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(LOCK),
+                    *args], check=True, timeout=900)
 
 
 def cookbook_python() -> Path:
@@ -43,7 +56,7 @@ def cookbook_python() -> Path:
     ``.venv-cookbook`` in the repository)."""
     venv = Path(os.environ.get("COMPAT_SERVER_COOKBOOK_VENV") or ROOT / ".venv-cookbook")
     python = venv / "bin" / "python"
-    ready = venv / f".ready-{COOKBOOK}"
+    ready = venv / f".ready-{COOKBOOK}-lock-{hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]}"
     if ready.exists():
         return python
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)

