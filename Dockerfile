@@ -40,14 +40,15 @@ FROM source AS build-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG WHEELS_DIR=
 ARG CA_BUNDLE=
-# torch first and alone: the pinned CPU build, not the multi-GB CUDA one a plain index would give. Then the rest at the
+# torch first and alone: the pinned CPU build, not the multi-GB CUDA one a plain index would give. Everything at the
 # versions of the lock CI tests (constraints.txt). (Set through the environment so that pip's build-isolation
 # subprocesses see them too.)
 RUN set -e; \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
     if [ -n "$WHEELS_DIR" ]; then export PIP_FIND_LINKS="$WHEELS_DIR"; fi; \
+    export PIP_CONSTRAINT=/src/constraints.txt; \
     /opt/venv/bin/pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==2.13.0"; \
-    /opt/venv/bin/pip install -c /src/constraints.txt /src; \
+    /opt/venv/bin/pip install /src; \
     /opt/venv/bin/pip check; \
     find /opt/venv -name __pycache__ -prune -exec rm -rf {} +
 
@@ -55,6 +56,7 @@ FROM source AS build-gpu
 ARG CA_BUNDLE=
 RUN set -e; \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
+    export PIP_CONSTRAINT=/src/constraints.txt; \
     /opt/venv/bin/pip install "/src[gpu]"; \
     /opt/venv/bin/pip check
 

@@ -14,6 +14,7 @@ import argparse
 import difflib
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -70,12 +71,8 @@ def openai_schemas() -> dict:
             for name, module in OPENAI_TYPES.items() if module}
 
 
-FILES = ("tinker_sdk_calls.json", "tinker_routes.json", "tinker_schemas.json", "tinker_protobuf.json",
-         "openai_schemas.json")
-"""The pinned files; each is generated from the SDK its name starts with."""
-
-
 def generate() -> dict[str, dict]:
+    """Each pinned file's content by name; each file is generated from the SDK its name starts with."""
     import openai
     import tinker
 
@@ -101,10 +98,9 @@ def wire(content: dict) -> dict:
     return {key: value for key, value in content.items() if key != VERSION_KEY}
 
 
-def read_pinned(pinned: Path = PINNED) -> dict[str, dict | None]:
-    """Each pinned file's content by name (``None`` where the file is missing)."""
-    return {name: json.loads((pinned / name).read_text()) if (pinned / name).exists() else None
-            for name in FILES}
+def read_pinned(names: Iterable[str], pinned: Path = PINNED) -> dict[str, dict | None]:
+    """The named pinned files' contents (``None`` where a file is missing)."""
+    return {name: json.loads((pinned / name).read_text()) if (pinned / name).exists() else None for name in names}
 
 
 def differences(generated: dict | None = None, pinned: Path = PINNED, max_lines: int = 400) -> dict[str, str]:
@@ -112,7 +108,7 @@ def differences(generated: dict | None = None, pinned: Path = PINNED, max_lines:
     generate now; a file that differs only in its recorded SDK version is not listed."""
     generated = generate() if generated is None else generated
     found = {}
-    for name, was in read_pinned(pinned).items():
+    for name, was in read_pinned(generated, pinned).items():
         now = wire(generated[name])
         if was is not None and wire(was) == now:
             continue
@@ -128,21 +124,24 @@ def differences(generated: dict | None = None, pinned: Path = PINNED, max_lines:
     return found
 
 
-def version_changes(generated: dict | None = None, pinned: Path = PINNED) -> dict[str, tuple[str, str]]:
+def version_changes(generated: dict | None = None, pinned: Path = PINNED) -> dict[str, tuple[str | None, str]]:
     """``{name: (recorded version, installed version)}`` for pinned files generated from another SDK version."""
     generated = generate() if generated is None else generated
-    return {name: (was[VERSION_KEY], generated[name][VERSION_KEY]) for name, was in read_pinned(pinned).items()
+    return {name: (was.get(VERSION_KEY), generated[name][VERSION_KEY])
+            for name, was in read_pinned(generated, pinned).items()
             if was is not None and was.get(VERSION_KEY) != generated[name][VERSION_KEY]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
-    args = parser.parse_args()
+    parser.add_argument("--pinned", type=Path, default=PINNED,
+                        help="the directory of pinned files (default: %(default)s)")
+    args = parser.parse_args(argv)
     generated = generate()
     if args.check:
-        changed = differences(generated)
-        for name, (was, now) in version_changes(generated).items():
+        changed = differences(generated, args.pinned)
+        for name, (was, now) in version_changes(generated, args.pinned).items():
             sdk = name.split("_")[0]
             print(f"{name}: generated from {sdk} {was}, installed {sdk} {now}"
                   + ("" if name in changed else ": the wire is unchanged (regenerate to record the new version)"))
@@ -153,10 +152,10 @@ def main() -> None:
             sys.exit(1)
         print("the wire contract matches the installed SDKs")
         return
-    PINNED.mkdir(exist_ok=True)
+    args.pinned.mkdir(exist_ok=True)
     for name, content in generated.items():
-        (PINNED / name).write_text(render(content))
-        print("wrote", PINNED / name)
+        (args.pinned / name).write_text(render(content))
+        print("wrote", args.pinned / name)
 
 
 if __name__ == "__main__":

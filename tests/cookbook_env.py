@@ -59,7 +59,8 @@ def cookbook_python() -> Path:
     ready = venv / f".ready-{COOKBOOK}-lock-{hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]}"
     if ready.exists():
         return python
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # Made afresh (a lock that changed may have dropped packages an older build installed).
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     Path(site, "compat_server_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")

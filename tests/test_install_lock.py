@@ -45,6 +45,7 @@ def test_off_lock_names_each_installed_distribution_the_lock_does_not_hold():
     pins = {"openai": "3.57.0", "tinker": "0.38.0"}
     present = {"openai": "3.58.0", "tinker": "0.38.0", "left-pad": "1.0", "torch": "2.13.0+cpu", "pip": "23.2.1"}
     assert off_lock(present, pins) == ["left-pad 1.0: not in the lock", "openai 3.58.0: the lock has 3.57.0"]
+    assert off_lock({"tzdata": "2024.01.01"}, {"tzdata": "2024.1.1"}) == []  # the same version, written two ways
 
 
 def test_the_summary_names_the_installed_build_and_any_difference_from_the_lock():
