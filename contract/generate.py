@@ -4,8 +4,9 @@
     python -m contract.generate --check  # exit 1 and show the diff if the installed SDKs changed the wire
 
 Each pinned file records the SDK version it was generated from (``sdk_version``). That number is a record, not part
-of the contract: a newer SDK whose schemas, routes and protobuf descriptor are unchanged passes the check, and only a
-change on the wire fails it, with a unified diff of what changed.
+of the contract, and so are the schemas' titles and descriptions: a newer SDK whose schemas, routes and protobuf
+descriptor accept and produce the same JSON passes the check, and only a change on the wire fails it, with a unified
+diff of what changed.
 """
 
 from __future__ import annotations
@@ -93,9 +94,39 @@ def render(content: object) -> str:
     return json.dumps(content, indent=1, sort_keys=True) + "\n"
 
 
+ANNOTATIONS = frozenset({"title", "description", "examples", "$comment"})
+"""JSON Schema keywords that document a schema without changing what it accepts: a release that rewords a docstring
+or a documentation link changes only these."""
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose value maps names (a property named ``title``, say) to subschemas."""
+DATA = frozenset({"default", "const", "enum"})
+"""Keywords whose value is data, not a schema."""
+
+
+def without_annotations(schema: object) -> object:
+    """The schema as the wire sees it: every annotation keyword removed, at every depth."""
+    if isinstance(schema, list):
+        return [without_annotations(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kept = {}
+    for key, value in schema.items():
+        if key in ANNOTATIONS:
+            continue
+        if key in DATA:
+            kept[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            kept[key] = {name: without_annotations(subschema) for name, subschema in value.items()}
+        else:
+            kept[key] = without_annotations(value)
+    return kept
+
+
 def wire(content: dict) -> dict:
-    """What a pinned file pins: its content without the SDK version it was generated from."""
-    return {key: value for key, value in content.items() if key != VERSION_KEY}
+    """What a pinned file pins: its content without the SDK version it was generated from, its JSON schemas without
+    their documentation."""
+    return {key: {name: without_annotations(schema) for name, schema in value.items()} if key == "schemas" else value
+            for key, value in content.items() if key != VERSION_KEY}
 
 
 def read_pinned(names: Iterable[str], pinned: Path = PINNED) -> dict[str, dict | None]:

@@ -44,6 +44,11 @@ def pinned_copy(directory: Path, contract: dict[str, dict], edit=lambda name, co
     return directory
 
 
+def added_lines(diff: str) -> list[str]:
+    """The lines a unified diff adds, without their indentation."""
+    return [line[1:].strip() for line in diff.splitlines()[2:] if line.startswith("+")]
+
+
 def test_an_sdk_version_that_changes_nothing_on_the_wire_passes(generated, tmp_path):
     """A pinned file records the SDK version it was made from; another version with the same wire is no drift."""
     pinned = pinned_copy(tmp_path, generated, lambda name, content: content.update({VERSION_KEY: "0.0.1"}))
@@ -69,12 +74,31 @@ def test_a_changed_schema_or_message_fails_with_the_diff(generated, tmp_path):
     assert openai_diff[0] == "--- openai_schemas.json as pinned (openai 3.0.0)"
     installed = generated["openai_schemas.json"][VERSION_KEY]
     assert openai_diff[1] == f"+++ openai_schemas.json from the installed openai {installed}"
-    added = [line for line in openai_diff[2:] if line[0] == "+"]
-    assert '+    "system_fingerprint": {' in added and '+     "title": "System Fingerprint"' in added
+    assert '"system_fingerprint": {' in added_lines(changed["openai_schemas.json"])
     assert not any(line[0] == "-" for line in openai_diff[2:])
     proto_diff = [line[0] + line[1:].strip() for line in changed["tinker_protobuf.json"].splitlines()[2:]
                   if line[0] in "+-"]
     assert proto_diff == ['-"name": "old_sequences",', '+"name": "sequences",']
+
+
+def test_reworded_documentation_is_no_drift_but_a_field_named_title_is_wire(generated, tmp_path):
+    """Titles and descriptions document a schema; an SDK release that rewords them changes nothing on the wire. A
+    field that happens to be named ``title`` (a URL citation's) is part of the wire all the same."""
+    def reworded(name: str, content: dict) -> None:
+        for schema in content.get("schemas", {}).values():
+            schema.update(title="Renamed", description="Reworded.")
+            for field in schema.get("properties", {}).values():
+                field["description"] = "A new docstring, with a [link](https://example.com)."
+
+    assert differences(generated, pinned_copy(tmp_path, generated, reworded)) == {}
+
+    def without_title_field(name: str, content: dict) -> None:
+        if name == "openai_schemas.json":
+            del content["schemas"]["ChatCompletion"]["$defs"]["AnnotationURLCitation"]["properties"]["title"]
+
+    changed = differences(generated, pinned_copy(tmp_path, generated, without_title_field))
+    assert list(changed) == ["openai_schemas.json"]
+    assert added_lines(changed["openai_schemas.json"]) == ['},', '"title": {', '"type": "string"']
 
 
 def test_check_says_a_version_changed_and_fails_only_on_a_wire_change(generated, tmp_path, capsys):
