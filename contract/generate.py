@@ -90,6 +90,11 @@ def generate() -> dict[str, dict]:
     }
 
 
+def sdk_of(name: str) -> str:
+    """The SDK a pinned file is generated from: the start of its name."""
+    return name.split("_")[0]
+
+
 def render(content: object) -> str:
     return json.dumps(content, indent=1, sort_keys=True) + "\n"
 
@@ -143,7 +148,7 @@ def differences(generated: dict | None = None, pinned: Path = PINNED, max_lines:
         now = wire(generated[name])
         if was is not None and wire(was) == now:
             continue
-        sdk = name.split("_")[0]
+        sdk = sdk_of(name)
         pinned_label = f"{name} as pinned ({sdk} {was.get(VERSION_KEY)})" if was is not None else f"{name} (missing)"
         lines = list(difflib.unified_diff(render(wire(was)).splitlines() if was is not None else [],
                                           render(now).splitlines(), pinned_label,
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.check:
         changed = differences(generated, args.pinned)
         for name, (was, now) in version_changes(generated, args.pinned).items():
-            sdk = name.split("_")[0]
+            sdk = sdk_of(name)
             print(f"{name}: generated from {sdk} {was}, installed {sdk} {now}"
                   + ("" if name in changed else ": the wire is unchanged (regenerate to record the new version)"))
         for diff in changed.values():

