@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from adapters.disk import DiskFull
-from adapters.sampler import Restarting
+from adapters.samplers.interface import Restarting
 from shims.errors import UserError
 
 log = logging.getLogger("compat_server.actors")

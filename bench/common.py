@@ -38,7 +38,7 @@ def device_name() -> str:
 def model_directory(shape: str) -> Path:
     """``tiny``: the built-in tiny model. Otherwise a random-init Qwen3 of that shape (with the tiny tokenizer's
     files beside it; benchmarks feed token ids directly)."""
-    from adapters.tiny_model import ensure_tiny_model
+    from adapters.models.tiny import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     if shape == "tiny":

@@ -34,7 +34,7 @@ def build_model(directory: Path) -> Path:
     """A small Qwen3 (4 layers, hidden 512, head_dim 64), bf16 weights, saved beside the tiny model's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from adapters.tiny_model import ensure_tiny_model
+    from adapters.models.tiny import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     directory.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from adapters.sampler import AdapterRef
-from adapters.tiny_model import ensure_tiny_model
-from adapters.trainer import LoraSpec, MultiLoRATrainer
+from adapters.models.tiny import ensure_tiny_model
+from adapters.samplers.interface import AdapterRef
+from adapters.trainer.actor import LoraSpec, MultiLoRATrainer
 from bench.common import write
-from shims.sample_job import SampleJob
+from shims.sampling.job import SampleJob
 
 
 def main() -> None:
@@ -36,11 +36,11 @@ def main() -> None:
         refs.append(AdapterRef(f"adapter-{i}", str(directory)))
 
     if args.backend == "vllm":
-        from adapters.vllm_sampler import VLLMSampler
+        from adapters.samplers.vllm.sampler import VLLMSampler
 
         sampler = VLLMSampler(location, max_resident=args.adapters)
     else:
-        from adapters.hf_sampler import TransformersSampler
+        from adapters.samplers.hf.sampler import TransformersSampler
 
         sampler = TransformersSampler(location, max_batch_sequences=args.requests, max_resident=args.adapters)
 

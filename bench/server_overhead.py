@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from adapters.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
-from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer
+from adapters.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
 from bench.common import write
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapters.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from adapters.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
 from bench.common import write
 
 

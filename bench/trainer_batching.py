@@ -15,10 +15,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from adapters.trainer import LORA_ALPHA, AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
-from adapters.trainer_types import OptimRequest
+from adapters.trainer.actor import LORA_ALPHA, AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
+from adapters.trainer.interface import OptimRequest
 from bench.common import mfu, model_directory, non_embedding_params, write
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 

@@ -11,16 +11,17 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from compat_server import telemetry
-from compat_server.anthropic_routes import ANTHROPIC_ROUTER
-from compat_server.auth import provide_owner
+from compat_server.access.auth import provide_owner
+from compat_server.access.quotas import TooManyRequests
 from compat_server.config import ServerConfig
-from compat_server.dashboard_routes import DASHBOARD_ROUTES
-from compat_server.openai_routes import OPENAI_ROUTER, openai_error
-from compat_server.quotas import TooManyRequests
-from compat_server.responses_routes import RESPONSES_ROUTER
+from compat_server.routes.dashboard import DASHBOARD_ROUTES
+from compat_server.routes.serving import SERVING_ROUTER
+from compat_server.routes.tinker import ROUTES as TINKER_ROUTES
+from compat_server.routes.v1.answers import openai_error
+from compat_server.routes.v1.anthropic import ANTHROPIC_ROUTER
+from compat_server.routes.v1.openai import OPENAI_ROUTER
+from compat_server.routes.v1.responses import RESPONSES_ROUTER
 from compat_server.services import Services, start_services
-from compat_server.serving_routes import SERVING_ROUTER
-from compat_server.tinker import ROUTES as TINKER_ROUTES
 from shims.errors import NotFound, UserError, too_deeply_nested
 
 log = logging.getLogger("compat_server")

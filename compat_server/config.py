@@ -6,10 +6,10 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters.base_models import SAMPLER_DTYPES
-from adapters.tiny_model import TINY_MODEL_NAME
-from adapters.vllm_options import VLLM_LORA_RANKS
-from shims.custom_loss_limits import CustomLossLimits
+from adapters.models.resolve import SAMPLER_DTYPES
+from adapters.models.tiny import TINY_MODEL_NAME
+from adapters.samplers.vllm.options import VLLM_LORA_RANKS
+from shims.custom_loss.limits import CustomLossLimits
 
 
 def default_data_dir() -> Path:

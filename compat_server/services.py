@@ -12,27 +12,27 @@ from dataclasses import dataclass, field
 
 import ray
 
-from adapters.base_models import BaseModelSpec, resolve_base_model
-from adapters.sampler import choose_backend
-from adapters.sampler_pool import SamplerPlacement, SamplerPool
-from adapters.trainer_pool import TrainerPlacement, TrainerPool
-from adapters.vllm_options import VLLMOptions
+from adapters.models.resolve import BaseModelSpec, resolve_base_model
+from adapters.samplers.interface import choose_backend
+from adapters.samplers.pool import SamplerPlacement, SamplerPool
+from adapters.samplers.vllm.options import VLLMOptions
+from adapters.trainer.pool import TrainerPlacement, TrainerPool
 from compat_server import watchdog
-from compat_server.account import AccountService
-from compat_server.checkpoints import CheckpointStore
-from compat_server.completions import CompletionsService
+from compat_server.access.quotas import KeyQuota
+from compat_server.access.tokens import TokenIssuer
+from compat_server.account.service import AccountService
+from compat_server.completions.service import CompletionsService
 from compat_server.config import ServerConfig
-from compat_server.downloads import UrlSigner
-from compat_server.futures import FutureHub
-from compat_server.quotas import KeyQuota
+from compat_server.jobs.futures import FutureHub
+from compat_server.jobs.scheduler import Scheduler
 from compat_server.records import SCHEMA_VERSION, Records
-from compat_server.runs import RunsService
-from compat_server.sampling import SamplingOptions, SamplingService
-from compat_server.scheduler import Scheduler
+from compat_server.runs.checkpoint_store import CheckpointStore
+from compat_server.runs.downloads import UrlSigner
+from compat_server.runs.service import RunsService
+from compat_server.sampling.service import SamplingOptions, SamplingService
 from compat_server.telemetry import observe
-from compat_server.tokens import TokenIssuer
-from compat_server.training import TrainingService
-from shims.openai_params import OpenAILimits
+from compat_server.training.service import TrainingService
+from shims.openai.params import OpenAILimits
 
 log = logging.getLogger("compat_server")
 

@@ -26,7 +26,7 @@ def pytest_report_header(config) -> str:
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
     """Build the tiny model once per test session and point every server at that cache."""
-    from adapters.tiny_model import ensure_tiny_model
+    from adapters.models.tiny import ensure_tiny_model
 
     cache = Path(os.environ.get("COMPAT_SERVER_TEST_CACHE") or tmp_path_factory.mktemp("model-cache"))
     os.environ["COMPAT_SERVER_CACHE"] = str(cache)
@@ -36,7 +36,7 @@ def model_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(model_cache) -> Path:
-    from adapters.tiny_model import ensure_tiny_model
+    from adapters.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(model_cache)
 

@@ -50,7 +50,7 @@ def service_client_for(server):
 
 def keys_command(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """``compat-server keys …`` on a data directory."""
-    return subprocess.run([sys.executable, "-m", "compat_server.cli", "keys", "--data-dir", str(data_dir), *args],
+    return subprocess.run([sys.executable, "-m", "compat_server.cli.main", "keys", "--data-dir", str(data_dir), *args],
                           capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -238,8 +238,8 @@ def settled_decoded_tokens(server) -> int:
 async def streamed_chat_chunks(vocab, tokens, tools, finish: str, stops=(), include_stop: bool = False):
     """The chunks ``completion_stream`` sends for ``tokens`` arriving one at a time (for the Responses and Anthropic
     stream translators' tests)."""
-    from shims.openai_choice import ChoiceOutput
-    from shims.openai_out import chat_chunk, usage
+    from shims.openai.choice import ChoiceOutput
+    from shims.openai.out import chat_chunk, usage
 
     out, header, sent = ChoiceOutput(vocab, stops, tools, include_stop=include_stop), (vocab, "chatcmpl-abc", 5, "m"), 0
     yield chat_chunk(*header, index=0, role=True, content="")

@@ -59,7 +59,7 @@ def test_the_tiny_model_installs_into_a_hugging_face_cache_by_name(tiny_model_di
     from huggingface_hub import constants
     from transformers import AutoTokenizer
 
-    from adapters.tiny_model import TINY_MODEL_NAME, install_in_hf_cache
+    from adapters.models.tiny import TINY_MODEL_NAME, install_in_hf_cache
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     snapshot = install_in_hf_cache(tiny_model_dir, TINY_MODEL_NAME)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from adapters.batching import Coalescer
-from adapters.trainer_pool import TrainerPlacement, TrainerPool
-from adapters.trainer_types import AdamHyper, OptimRequest, StepRequest
+from adapters.trainer.interface import AdamHyper, OptimRequest, StepRequest
+from adapters.trainer.pool import TrainerPlacement, TrainerPool
 from shims.errors import UserError
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 
 
 def test_requests_waiting_during_a_batch_run_together_in_the_next():

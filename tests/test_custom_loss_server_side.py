@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from tinker import types
 
-from compat_server.custom_losses import CustomLossStore
-from shims.custom_loss_graph import CustomLossLimits, compile_custom_loss
+from compat_server.training.custom_losses import CustomLossStore
+from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
 from shims.errors import UserError
 from tests.helpers import BASE_MODEL, expect_user_error
 

@@ -35,7 +35,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from shims.losses import LOSSES
-from shims.openai_wire import ChatRequest, CompletionRequest
+from shims.openai.wire import ChatRequest, CompletionRequest
 from tests.helpers import BASE_MODEL, forward_logprobs, make_datum, poll_future, train, tree_digest
 from tests.server import start_server
 

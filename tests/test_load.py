@@ -24,7 +24,7 @@ import pytest
 import tinker
 from tinker import types
 
-from compat_server.auth import owner_of
+from compat_server.access.auth import owner_of
 from tests.helpers import ADAM, BASE_MODEL, make_datum
 from tests.server import start_server
 

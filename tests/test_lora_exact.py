@@ -1,4 +1,4 @@
-"""The trainer's own LoRA execution (``adapters.lora``: rows grouped by adapter) against PEFT, computed independently in
+"""The trainer's own LoRA execution (``adapters.lora.layers``: rows grouped by adapter) against PEFT, computed independently in
 the test: every loss's value, logprobs and gradient for adapters of different ranks and target layers in one mixed
 batch; logprobs scored in chunks equal to scored at once, gradients included; and a checkpoint written by PEFT
 itself loads and scores as PEFT scores it."""
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import adapters.trainer as trainer_module
-from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
+import adapters.trainer.actor as trainer_module
+from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
 from shims.losses import LOSSES, datum_loss, resolve_config
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 from tests.helpers import reference_peft_model
 
 SPECS = {"wide": LoraSpec(rank=8, seed=1), "attn": LoraSpec(rank=2, seed=2, train_mlp=False, train_unembed=False),

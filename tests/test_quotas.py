@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compat_server.quotas import KeyQuota, TooManyRequests
+from compat_server.access.quotas import KeyQuota, TooManyRequests
 
 
 def test_a_key_at_its_limit_is_refused_until_a_request_finishes_and_other_keys_are_not():

@@ -8,8 +8,8 @@ import sys
 
 import sqlite_utils
 
-from compat_server.checkpoints import CheckpointStore
 from compat_server.records import SCHEMA_VERSION, Records
+from compat_server.runs.checkpoint_store import CheckpointStore
 
 PATH = "tinker://run-1/sampler_weights/old"
 
@@ -56,7 +56,7 @@ def test_a_damaged_records_file_is_refused_at_start_with_how_to_recover(tmp_path
     data_dir = str(path.parent)
     for command in (["serve", "--host", "127.0.0.1", "--port", "1", "--data-dir", data_dir],
                     ["keys", "--data-dir", data_dir, "list"]):
-        done = subprocess.run([sys.executable, "-m", "compat_server.cli", *command],
+        done = subprocess.run([sys.executable, "-m", "compat_server.cli.main", *command],
                               capture_output=True, text=True, timeout=120, check=False)
         said = done.stdout + done.stderr
         assert done.returncode == 2, said

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from adapters.sampler import AdapterRef
-from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer
+from adapters.samplers.interface import AdapterRef
+from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
 from shims.errors import UserError
-from shims.sample_job import OutputConstraint, SampleJob
-from shims.training_wire import DatumArrays
+from shims.sampling.job import OutputConstraint, SampleJob
+from shims.tinker.training_wire import DatumArrays
 from tests.helpers import logprob_tolerance, reference_peft_model, skip_without_vllm
 
 PROMPT = (11, 42, 77, 103, 250, 19, 7)
@@ -35,11 +35,11 @@ def make_sampler(request, tiny_model_dir):
         optional whitespace (``--disable-any-whitespace``); the servers of the other test modules run the default."""
         if not made:
             if request.param == "vllm":
-                from adapters.vllm_sampler import VLLMSampler
+                from adapters.samplers.vllm.sampler import VLLMSampler
 
                 made.append(VLLMSampler(str(tiny_model_dir), max_resident=4, disable_any_whitespace=True))
             else:
-                from adapters.hf_sampler import TransformersSampler
+                from adapters.samplers.hf.sampler import TransformersSampler
 
                 made.append(TransformersSampler(str(tiny_model_dir), max_resident=4, threads=2,
                                                 disable_any_whitespace=True))
@@ -104,7 +104,7 @@ def test_adapter_logprobs_match_peft_reference(make_sampler, adapters, tiny_mode
 
 def test_mixed_adapter_batch_equals_separate_requests(make_sampler, adapters):
     """Concurrent requests with prompt logprobs, of different prompt lengths and adapters (one with LoRA on lm_head):
-    the batch crashed vLLM's engine before ``adapters.vllm_patches`` (its prompt logits took the batch's per-request
+    the batch crashed vLLM's engine before ``adapters.samplers.vllm.patches`` (its prompt logits took the batch's per-request
     LoRA mapping), and must give each request what it gets alone."""
     sampler = make_sampler()
     if make_sampler.backend == "vllm":  # the corrections are in place in vLLM's worker process
@@ -138,7 +138,7 @@ def test_mixed_adapter_batch_equals_separate_requests(make_sampler, adapters):
 
 def test_base_rows_stay_base_once_every_adapter_slot_has_been_used(make_sampler, adapters):
     """vLLM's CPU ops read "no adapter" (-1) as the last adapter slot: once every slot had held an adapter, base
-    requests batched beside adapter requests were sampled with that adapter (fixed in ``adapters.vllm_patches``)."""
+    requests batched beside adapter requests were sampled with that adapter (fixed in ``adapters.samplers.vllm.patches``)."""
     sampler = make_sampler()
     prompts = [PROMPT[: 2 + i % 5] for i in range(12)]
     base_alone = [run(sampler.sample(None, scoring_job_for(p))) for p in prompts[::2]]
@@ -253,7 +253,7 @@ def test_a_greedy_request_gives_its_one_sequence_to_every_sample(make_sampler):
 
 def test_pool_routes_an_adapter_to_the_replica_that_holds_it():
     """Routing only (no actors): affinity wins unless that replica is much busier than the least busy one."""
-    from adapters.sampler_pool import SamplerPlacement, SamplerPool, _BaseReplicas, _Replica
+    from adapters.samplers.pool import SamplerPlacement, SamplerPool, _BaseReplicas, _Replica
 
     pool = SamplerPool([], SamplerPlacement(count=2, max_batch_sequences=4))
     base = _BaseReplicas([_Replica(actor=None), _Replica(actor=None)])
@@ -361,7 +361,7 @@ def test_a_json_schema_constraint_gives_texts_the_schema_accepts(make_sampler, t
         for seq in result.sequences:
             assert seq.stop_reason == "stop" and seq.tokens[-1] == tokenizer.eos_token_id, seq
             jsonschema.validate(json.loads(tokenizer.decode(seq.tokens[:-1])), SCHEMA)
-    # The logprobs are the model's own, not the grammar-masked ones (on vLLM through adapters.vllm_patches).
+    # The logprobs are the model's own, not the grammar-masked ones (on vLLM through adapters.samplers.vllm.patches).
     forced = run(sampler.sample(None, scoring_job(constraint=OutputConstraint(json.dumps(SCHEMA))))).sequences[0]
     free = run(sampler.sample(None, scoring_job_for(PROMPT + tuple(forced.tokens[:1])))).prompt.logprobs[-1]
     assert forced.logprobs[0] == pytest.approx(float(free), abs=1e-4) and free < -1  # "{", forced, is not 0

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from compat_server.futures import JSON, FutureHub, Payload
+from compat_server.jobs.futures import JSON, FutureHub, Payload
+from compat_server.jobs.scheduler import Scheduler
 from compat_server.records import SCHEMA_VERSION, Records
-from compat_server.scheduler import Scheduler
 from shims.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""shims.anthropic_wire and shims.anthropic_out: Anthropic requests → OpenAI chat bodies (checked by the OpenAI layer
+"""shims.anthropic.wire and shims.anthropic.out: Anthropic requests → OpenAI chat bodies (checked by the OpenAI layer
 and rendered by the tiny model's template), chat completions → Anthropic messages, and streams that add up to the
 whole message as the ``anthropic`` SDK's own accumulator reads them."""
 
@@ -13,8 +13,8 @@ from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 from transformers import AutoTokenizer
 
-from shims.anthropic_out import MessageStream, ending, error_body, message, split_stop
-from shims.anthropic_wire import (
+from shims.anthropic.out import MessageStream, ending, error_body, message, split_stop
+from shims.anthropic.wire import (
     CountTokensRequest,
     MessagesRequest,
     chat_body,
@@ -22,13 +22,13 @@ from shims.anthropic_wire import (
     parse_request,
     prompt_body,
 )
-from shims.openai_choice import ChoiceOutput
-from shims.openai_errors import OpenAIError
-from shims.openai_out import ChoiceOut, chat_completion, usage
-from shims.openai_text import Vocabulary
-from shims.openai_wire import ChatRequest, chat_messages
-from shims.openai_wire import parse_request as parse_openai
-from shims.tool_calls import ToolMode, tool_definitions, tool_mode
+from shims.openai.choice import ChoiceOutput
+from shims.openai.errors import OpenAIError
+from shims.openai.out import ChoiceOut, chat_completion, usage
+from shims.openai.text import Vocabulary
+from shims.openai.tool_calls import ToolMode, tool_definitions, tool_mode
+from shims.openai.wire import ChatRequest, chat_messages
+from shims.openai.wire import parse_request as parse_openai
 from tests.helpers import streamed_chat_chunks
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",

@@ -1,4 +1,4 @@
-"""shims.custom_loss_graph / custom_loss_run: graphs the SDK traces run exactly as the SDK runs them client-side, and
+"""shims.custom_loss.graph / custom_loss_run: graphs the SDK traces run exactly as the SDK runs them client-side, and
 hostile graphs are user errors, never code execution, attribute access or unbounded memory."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from shims import custom_loss_ops as ops
-from shims.custom_loss_graph import CustomLossLimits, compile_custom_loss
-from shims.custom_loss_run import CustomLossBatch, check_custom_datum, run_datum
+from shims.custom_loss import ops
+from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
+from shims.custom_loss.run import CustomLossBatch, check_custom_datum, run_datum
 from shims.errors import UserError
-from shims.training_wire import DatumLimits, decode_forward_backward
+from shims.tinker.training_wire import DatumLimits, decode_forward_backward
 
 LIMITS = CustomLossLimits()
 

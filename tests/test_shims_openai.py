@@ -1,4 +1,4 @@
-"""shims.openai_wire: request checks, the mapping onto sampling requests, text assembly and token bytes."""
+"""shims.openai.wire: request checks, the mapping onto sampling requests, text assembly and token bytes."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from shims.openai_errors import OpenAIError
-from shims.openai_params import OpenAILimits, sampling_job
-from shims.openai_text import TextAssembler, Vocabulary
-from shims.openai_wire import ChatRequest, CompletionRequest, chat_messages, completion_prompts, parse_request
-from shims.sample_job import SampleJob, SamplingLimits
-from shims.sampling_math import penalized
+from shims.openai.errors import OpenAIError
+from shims.openai.params import OpenAILimits, sampling_job
+from shims.openai.text import TextAssembler, Vocabulary
+from shims.openai.wire import ChatRequest, CompletionRequest, chat_messages, completion_prompts, parse_request
+from shims.sampling.arithmetic import penalized
+from shims.sampling.job import SampleJob, SamplingLimits
 
 LIMITS = SamplingLimits(vocab_size=512, max_context=64, max_num_samples=8, max_logprobs_k=20)
 OPENAI = OpenAILimits(max_stop=4, max_temperature=2)
@@ -105,7 +105,7 @@ def test_limits_are_configurable_and_default_to_vllms():
 
 
 def test_unknown_fields_are_ignored_and_named_but_result_changing_ones_refused():
-    from shims.openai_wire import ignored_fields
+    from shims.openai.wire import ignored_fields
 
     req = chat(store=True, metadata={"a": "b"}, service_tier="auto", best_of=1, modalities=["text"])
     assert ignored_fields(req) == ["best_of", "metadata", "modalities", "service_tier", "store"]

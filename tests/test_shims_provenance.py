@@ -9,7 +9,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from shims.errors import UserError
 from shims.provenance import RecordedSequence, Span, recorded_logprobs
-from shims.training_wire import DatumLimits, decode_forward_backward
+from shims.tinker.training_wire import DatumLimits, decode_forward_backward
 from tests.test_shims_wire import sdk_bytes
 
 LIMITS = DatumLimits(max_context=2048, max_columns=64)

@@ -1,4 +1,4 @@
-"""shims.responses_wire and shims.responses_out: Responses requests → OpenAI chat bodies (checked by the chat layer and
+"""shims.responses.wire and shims.responses.out: Responses requests → OpenAI chat bodies (checked by the chat layer and
 rendered by the tiny model's template), chat completions → responses, and streams that add up to the whole response
 as the ``openai`` SDK's own stream accumulator reads them."""
 
@@ -14,21 +14,21 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from transformers import AutoTokenizer
 
-from shims.openai_choice import ChoiceOutput
-from shims.openai_errors import OpenAIError
-from shims.openai_out import ChoiceOut, chat_completion, usage
-from shims.openai_params import output_constraint
-from shims.openai_text import Vocabulary
-from shims.openai_wire import ChatRequest, chat_messages, parse_request
-from shims.responses_out import ResponseEvents, from_chat_completion
-from shims.responses_wire import (
+from shims.openai.choice import ChoiceOutput
+from shims.openai.errors import OpenAIError
+from shims.openai.out import ChoiceOut, chat_completion, usage
+from shims.openai.params import output_constraint
+from shims.openai.text import Vocabulary
+from shims.openai.tool_calls import ToolMode, tool_definitions, tool_mode
+from shims.openai.wire import ChatRequest, chat_messages, parse_request
+from shims.responses.out import ResponseEvents, from_chat_completion
+from shims.responses.wire import (
     chat_body,
     echoed_settings,
     ignored_fields,
     parse_responses_request,
     responses_error,
 )
-from shims.tool_calls import ToolMode, tool_definitions, tool_mode
 from tests.helpers import streamed_chat_chunks
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,

@@ -11,10 +11,9 @@ import torch
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
-from adapters.sampler import AdapterRef, AllAdaptersBusy, ResidentAdapters
+from adapters.samplers.interface import AdapterRef, AllAdaptersBusy, ResidentAdapters
 from shims.errors import UserError
-from shims.sample_job import PromptScores, SampleJob, SampleResult, SamplingLimits, SequenceResult
-from shims.sampling_math import (
+from shims.sampling.arithmetic import (
     SeededStream,
     StopMatcher,
     choose_token,
@@ -23,7 +22,8 @@ from shims.sampling_math import (
     score_prompt,
     sequence_streams,
 )
-from shims.sampling_wire import decode_sample_request, encode_sample_response
+from shims.sampling.job import PromptScores, SampleJob, SampleResult, SamplingLimits, SequenceResult
+from shims.tinker.sampling_wire import decode_sample_request, encode_sample_response
 
 LIMITS = SamplingLimits(vocab_size=50, max_context=64, max_num_samples=8, max_logprobs_k=5)
 
@@ -277,7 +277,7 @@ def test_score_prompt_matches_reference():
     logits = torch.randn(len(prompt) - 1, 12, generator=torch.Generator().manual_seed(1))
     logprobs = torch.log_softmax(logits, dim=-1)
     target = np.array([[1, -1], [2, 3], [-1, -1], [0, 11]])
-    from shims.sample_job import TargetIds
+    from shims.sampling.job import TargetIds
 
     job = SampleJob(prompt=prompt, prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=3,
                     target=TargetIds(ids=target), prompt_alt_tokens_k=4, temperature=1.0)
@@ -354,7 +354,7 @@ def test_the_sampling_arithmetic_runs_on_the_device_of_its_tensors(device):
     if not _accelerators()[device]:
         pytest.skip(f"this machine has no {device} device; this test runs where one exists (bench/gpu_smoke.py checks "
                     "the whole server on a GPU)")
-    from shims.sample_job import TargetIds
+    from shims.sampling.job import TargetIds
 
     cpu_logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(5)) * 3
     logits = cpu_logits.to(device)

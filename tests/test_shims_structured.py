@@ -1,4 +1,4 @@
-"""shims.tool_calls, shims.json_schema_limits and the output constraint of shims.openai_params: what ``tool_choice``
+"""shims.openai.tool_calls, shims.sampling.json_schema_limits and the output constraint of shims.openai.params: what ``tool_choice``
 and ``response_format`` ask for, which schemas constrained decoding can enforce, and the model's ``<tool_call>``
 blocks parsed into OpenAI ``tool_calls``, whole and streamed alike."""
 
@@ -9,11 +9,11 @@ import json
 import jsonschema
 import pytest
 
-from shims.json_schema_limits import unsupported_features
-from shims.openai_errors import OpenAIError
-from shims.openai_params import output_constraint
-from shims.openai_wire import ChatRequest, CompletionRequest, parse_request
-from shims.tool_calls import ToolCallStream, constrained_calls, parse_tool_calls, tool_mode
+from shims.openai.errors import OpenAIError
+from shims.openai.params import output_constraint
+from shims.openai.tool_calls import ToolCallStream, constrained_calls, parse_tool_calls, tool_mode
+from shims.openai.wire import ChatRequest, CompletionRequest, parse_request
+from shims.sampling.json_schema_limits import unsupported_features
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

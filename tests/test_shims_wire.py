@@ -1,4 +1,4 @@
-"""shims.tensors / shims.training_wire against the SDK's own encoder and decoder."""
+"""shims.tinker.tensors / shims.tinker.training_wire against the SDK's own encoder and decoder."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from shims.errors import UserError
 from shims.losses import check_datum
-from shims.tensors import TensorLimits, tensor_from_proto, tokens_from_chunks
-from shims.training_wire import DatumLimits, RejectedRequest, decode_forward_backward, encode_forward_backward_output
+from shims.tinker.tensors import TensorLimits, tensor_from_proto, tokens_from_chunks
+from shims.tinker.training_wire import (
+    DatumLimits,
+    RejectedRequest,
+    decode_forward_backward,
+    encode_forward_backward_output,
+)
 
 LIMITS = DatumLimits(max_context=2048, max_columns=64)
 

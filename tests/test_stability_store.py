@@ -1,4 +1,4 @@
-"""compat_server.stability over a real SQLite file: session scoping, expiry after the TTL, and use restarting it."""
+"""compat_server.sampling.stability over a real SQLite file: session scoping, expiry after the TTL, and use restarting it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from compat_server.records import Records
-from compat_server.stability import StabilityStore
+from compat_server.sampling.stability import StabilityStore
 from shims.errors import UserError
 from shims.provenance import Span
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 
 
 def datum(sid: str) -> DatumArrays:

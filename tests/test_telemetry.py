@@ -30,7 +30,7 @@ def otel_server(model_cache, tmp_path_factory):
     import uvicorn
 
     from compat_server.app import create_app
-    from compat_server.cli import build_parser, config_from_args
+    from compat_server.cli.main import build_parser, config_from_args
 
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from compat_server import tokens
-from compat_server.tokens import TokenIssuer
+from compat_server.access import tokens
+from compat_server.access.tokens import TokenIssuer
 
 
 class Clock:

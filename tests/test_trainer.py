@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer
+from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
 from shims.errors import UserError
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 
 TOKENS = np.array([5, 6, 7, 8, 9, 10], dtype=np.int64)
 DATUM = DatumArrays(tokens=TOKENS[:-1], loss_fn_inputs={"target_tokens": TOKENS[1:],
@@ -69,7 +69,7 @@ def _datum(rng, n: int, rl: bool = False) -> DatumArrays:
 def test_a_mixed_adapter_batch_equals_each_adapter_alone(tiny_model_dir):
     """Runs of different ranks, layers and losses in one batch: each gets the loss, logprobs and gradient it gets
     alone (fp tolerance), a forward-only request adds no gradient, and a bad request fails alone."""
-    from adapters.trainer import StepRequest
+    from adapters.trainer.actor import StepRequest
 
     trainer = MultiLoRATrainer(str(tiny_model_dir))
     specs = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=8, seed=2, train_mlp=False),

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
-from adapters.trainer import LoraSpec, MultiLoRATrainer, StepRequest
-from shims.custom_loss_graph import CustomLossLimits, compile_custom_loss
+from adapters.trainer.actor import LoraSpec, MultiLoRATrainer, StepRequest
+from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
 from shims.errors import UserError
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 
 
 def weighted(logprobs, weights, scale):

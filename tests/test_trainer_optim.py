@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from adapters.trainer import AdamHyper, LoraSpec, MultiLoRATrainer
-from adapters.trainer_optim import adamw_together
-from adapters.trainer_types import DimuonHyper, OptimRequest, StepRequest
+from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
+from adapters.trainer.interface import DimuonHyper, OptimRequest, StepRequest
+from adapters.trainer.optim import adamw_together
 from shims.errors import UserError
-from shims.training_wire import DatumArrays
+from shims.tinker.training_wire import DatumArrays
 
 
 def _params(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:

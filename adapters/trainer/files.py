@@ -1,0 +1,123 @@
+"""The trainer's checkpoints: an adapter written as a standard PEFT directory (plus optimizer state and step for
+training checkpoints), and read back from one — in either naming of ``adapters.lora.files``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from adapters.disk import writing
+from adapters.lora import files as adapter_files
+from adapters.lora.files import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE, lora_key
+from adapters.trainer.interface import LORA_ALPHA, LoraSpec, read_lora_spec
+from shims.errors import UserError
+
+if TYPE_CHECKING:
+    from adapters.lora.layers import LoRALinear
+
+class TrainerFiles:
+    """Checkpoint methods of ``MultiLoRATrainer`` (which provides the attributes declared here)."""
+
+    location: str
+    device: torch.device
+    tied: bool
+    layers: dict[str, LoRALinear]
+    adapters: dict
+
+    def save_for_sampler(self, model_id: str, directory: str) -> None:
+        """Write the adapter as a standard PEFT directory (adapter_config.json + adapter_model.safetensors) that any
+        PEFT loader turns into the trained model (``adapters.lora.files``: the stored naming)."""
+        self._write_adapter(model_id, Path(directory), export=False)
+
+    def save_for_export(self, model_id: str, directory: str) -> None:
+        """Write the adapter for download, named as hosted Tinker names it (``adapters.lora.files``)."""
+        self._write_adapter(model_id, Path(directory), export=True)
+
+    def _tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """An adapter's LoRA matrices under PEFT's names, on the CPU."""
+        return {lora_key(path, x): params[name].detach().cpu()
+                for path, layer in self.layers.items() if name in layer.scaling
+                for x, params in (("A", layer.lora_a), ("B", layer.lora_b))}
+
+    def _write_adapter(self, model_id: str, out: Path, export: bool) -> None:
+        from peft import LoraConfig
+        from safetensors.torch import save_file
+
+        adapter = self._get(model_id)
+        state = self._tensors(adapter.name)
+        if export:
+            state = adapter_files.exported(state)
+        elif self.tied:
+            state = adapter_files.with_tied_input_side(state)
+        modules = adapter_files.target_modules(adapter.spec.target_modules(), tied=self.tied, export=export)
+        config = LoraConfig(r=adapter.spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none",
+                            target_modules=modules, base_model_name_or_path=self.location)
+        with writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
+            config.save_pretrained(str(out))
+
+    def save_state(self, model_id: str, directory: str) -> None:
+        """Write the adapter, its optimizer state and step, so training can resume exactly."""
+        adapter = self._get(model_id)
+        self.save_for_sampler(model_id, directory)
+        with writing(Path(directory)):
+            torch.save(adapter.optimizer.state_dict(), Path(directory) / OPTIMIZER_STATE)
+            (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step,
+                                                                     "lora": asdict(adapter.spec)}))
+
+    def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
+        """Replace (or create) ``model_id``'s adapter with the checkpoint's weights, and optionally its optimizer.
+
+        Without the optimizer the adapter gets fresh AdamW moments, as Tinker's ``load_state`` does.
+        """
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        spec = read_lora_spec(src)
+        if not with_optimizer and model_id in self.adapters:  # weights only: the run keeps its optimizer family
+            spec = replace(spec, optimizer=self.adapters[model_id].spec.optimizer)
+        if with_optimizer and not (src / OPTIMIZER_STATE).exists():
+            raise UserError("this checkpoint has no optimizer state (sampler weights); load it without the optimizer")
+        staging_id = f"{model_id}#loading"  # built beside the current adapter, swapped in only once complete
+        self.create(staging_id, spec)
+        staged = self.adapters[staging_id]
+        try:
+            self._fill(staged.name, adapter_files.for_loading(load_file(str(src / ADAPTER_WEIGHTS))))
+            if with_optimizer:
+                staged.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.device))
+                staged.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
+        except UserError:
+            self.unload(staging_id)
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever a bad checkpoint raises, it is the caller's to fix
+            self.unload(staging_id)
+            raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
+        if model_id in self.adapters:
+            self.unload(model_id)
+        self.adapters[model_id] = self.adapters.pop(staging_id)
+        return spec
+
+    def _fill(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        """Copy a saved adapter's matrices into adapter ``name``, which has the layout the checkpoint states."""
+        missing = []
+        with torch.no_grad():
+            for path, layer in self.layers.items():
+                if name not in layer.scaling:
+                    continue
+                for x, param in (("A", layer.lora_a[name]), ("B", layer.lora_b[name])):
+                    key = lora_key(path, x)
+                    tensor = state.get(key)
+                    if tensor is None:
+                        missing.append(key)
+                    elif tensor.shape != param.shape:
+                        raise UserError(f"checkpoint tensor {key} has shape {list(tensor.shape)}, but its "
+                                        f"configuration needs {list(param.shape)}")
+                    else:
+                        param.copy_(tensor)
+        if missing:
+            raise UserError(f"checkpoint is missing {len(missing)} adapter tensors, e.g. {missing[0]}")

@@ -1,0 +1,158 @@
+"""What the trainer's callers exchange with it — LoRA layouts, optimizer parameters, requests, results — and the LoRA
+layout of a saved adapter. No torch here: the server process imports these without loading the model code."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from adapters.lora.files import (
+    ADAPTER_CONFIG,
+    ATTN_MODULES,
+    HOSTED_UNEMBED,
+    MLP_MODULES,
+    TRAINER_STATE,
+    UNEMBED_MODULES,
+)
+from shims.custom_loss.graph import CustomLoss
+from shims.errors import UserError
+from shims.tinker.training_wire import DatumArrays
+
+LORA_ALPHA = 32
+"""Fixed LoRA alpha, independent of rank (scale alpha/rank), so a learning rate carries across ranks as in Tinker."""
+
+MAX_LORA_RANK = 512
+"""The largest rank the trainer itself takes (vLLM's largest); the server's ``--max-lora-rank`` is usually lower."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a Tinker ``LoraConfig`` asks for, with the seed made concrete."""
+
+    rank: int
+    seed: int
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    optimizer: str = "adamw"
+    """The optimizer family chosen at creation (``optimizer_config``): ``adamw`` or ``dimuon``."""
+
+    def target_modules(self) -> list[str]:
+        return ((ATTN_MODULES if self.train_attn else []) + (MLP_MODULES if self.train_mlp else [])
+                + (UNEMBED_MODULES if self.train_unembed else []))
+
+    def validate(self) -> None:
+        if not 1 <= self.rank <= MAX_LORA_RANK:
+            raise UserError(f"LoRA rank must be between 1 and {MAX_LORA_RANK}, got {self.rank}")
+        if not self.target_modules():
+            raise UserError("at least one of train_mlp, train_attn, train_unembed must be true")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Tinker's ``AdamParams``; they may change on every optim_step."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def validate(self) -> None:
+        for name, value in asdict(self).items():
+            if not math.isfinite(value) or value < 0:
+                raise UserError(f"adam_params.{name} must be a finite number ≥ 0, got {value}")
+        if self.eps <= 0:
+            raise UserError(f"adam_params.eps must be > 0 (0 divides by zero on untouched weights), got {self.eps}")
+        if self.beta1 >= 1 or self.beta2 >= 1:
+            raise UserError(f"adam_params beta1 and beta2 must be < 1, got {self.beta1}, {self.beta2}")
+
+
+@dataclass(frozen=True)
+class DimuonHyper:
+    """Tinker's ``DimuonParams`` (``adapters/dimuon.py``); they may change on every optim_step."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    grad_clip_norm: float = 0.0
+
+    def validate(self) -> None:
+        if not all(math.isfinite(v) for v in asdict(self).values()):
+            raise UserError(f"dimuon params must be finite numbers, got {asdict(self)}")
+        if self.learning_rate < 0 or not 0 <= self.beta1 < 1:
+            raise UserError(f"dimuon params need learning_rate ≥ 0 and 0 ≤ beta1 < 1, got {self.learning_rate}, "
+                            f"{self.beta1}")
+
+
+OPTIMIZERS = {"adamw": AdamHyper, "dimuon": DimuonHyper}
+"""Optimizer family → the per-step parameters it takes."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the server needs to know about a loaded base model to validate requests and answer get_info."""
+
+    vocab_size: int
+    max_context: int
+    arch: str
+    device: str
+    node: str = ""
+    """The Ray node the trainer runs on."""
+    pid: int = 0
+    boot: str = ""
+    """Differs every time the trainer process starts: a changed value means it was restarted and holds no adapters."""
+
+
+@dataclass
+class StepRequest:
+    """One forward / forward_backward call, as the trainer receives it (possibly batched with others)."""
+
+    model_id: str
+    data: list[DatumArrays]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str]
+    forward_only: bool
+    custom_loss: CustomLoss | None = None
+    """For ``loss_fn="custom"``: the stored loss the request's ``loss_id`` names (``shims.custom_loss.graph``)."""
+
+
+@dataclass(frozen=True)
+class OptimRequest:
+    """One ``optim_step`` call, as the trainer receives it (possibly with other runs' optim steps and
+    forward_backward requests in the same call: ``MultiLoRATrainer.run_batch``)."""
+
+    model_id: str
+    hyper: AdamHyper | DimuonHyper
+
+
+@dataclass
+class StepResult:
+    """The outcome of one forward / forward_backward call."""
+
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+    num_tokens: int
+    seconds: float
+
+
+def read_lora_spec(directory: Path) -> LoraSpec:
+    """The LoRA layout of a saved adapter: from our trainer state if present, else from its PEFT config."""
+    state_file = directory / TRAINER_STATE
+    if state_file.exists():
+        return LoraSpec(**json.loads(state_file.read_text())["lora"])
+    if not (directory / ADAPTER_CONFIG).exists():
+        encrypted = (directory / f"{ADAPTER_CONFIG}.age").exists()
+        raise UserError("this checkpoint is an age-encrypted export: only its recipients can read it, so it cannot be "
+                        "inspected or loaded here" if encrypted else "this checkpoint holds no adapter configuration")
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    modules = set(config["target_modules"])
+    return LoraSpec(rank=int(config["r"]), seed=0, train_attn=bool(modules & set(ATTN_MODULES)),
+                    train_mlp=bool(modules & set(MLP_MODULES)),
+                    train_unembed=bool(modules & {*UNEMBED_MODULES, HOSTED_UNEMBED}))

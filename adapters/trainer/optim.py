@@ -1,0 +1,111 @@
+"""The trainer's optimizer steps: several runs' ``optim_step`` in one call, and AdamW over all of their parameters
+at once.
+
+Each run keeps its own optimizer (its state, step count and hyperparameters are its own, and are what a checkpoint
+saves). When several AdamW runs step together with the same hyperparameters, their parameters go through torch's
+AdamW in one foreach (fused on CUDA) call instead of one call per run: on a GPU a small run's step is a few hundred
+kernel launches, the same for 1 run or 64. Element by element it is the same arithmetic, so each run's result equals
+its own ``optimizer.step()`` exactly (``tests/test_trainer_optim.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import astuple
+from typing import TYPE_CHECKING
+
+import torch
+from torch.optim.adam import adam
+
+from adapters.trainer.interface import OPTIMIZERS, AdamHyper, DimuonHyper, OptimRequest
+from shims.errors import UserError
+
+if TYPE_CHECKING:
+    from adapters.trainer.actor import _Adapter
+
+
+class TrainerOptim:
+    """Mixin of ``MultiLoRATrainer``: needs ``_get(model_id) -> _Adapter``."""
+
+    def optim_step(self, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
+        """Apply the accumulated gradient with the run's optimizer (AdamW with decoupled weight decay, or Dimuon),
+        then clear it."""
+        outcome = self.optim_steps([OptimRequest(model_id, hyper)])[0]
+        if isinstance(outcome, UserError):
+            raise outcome
+        return outcome
+
+    def optim_steps(self, requests: list[OptimRequest]) -> list[dict[str, float] | UserError]:
+        """Several runs' optim steps (each run at most once); one outcome per request, in order: its metrics, or the
+        ``UserError`` that request alone gets (the others still step)."""
+        outcomes: list[dict[str, float] | UserError] = []
+        together: dict[tuple, list[_Adapter]] = {}
+        stepped: dict[str, tuple[_Adapter, dict[str, float]]] = {}
+        for request in requests:
+            try:
+                if request.model_id in stepped:  # the scheduler sends one request per run at a time; never step twice
+                    raise UserError(f"model {request.model_id} already steps in this batch")
+                adapter, grad_norm = self._clipped(request)
+            except UserError as exc:
+                outcomes.append(exc)
+                continue
+            hyper = request.hyper
+            if isinstance(hyper, AdamHyper):  # ``_clipped`` checked that the run's optimizer is AdamW
+                together.setdefault(astuple(hyper), []).append(adapter)
+            else:
+                for group in adapter.optimizer.param_groups:
+                    group.update(lr=hyper.learning_rate, beta1=hyper.beta1)
+                adapter.optimizer.step()
+            metrics = {"grad_norm": grad_norm, "learning_rate": hyper.learning_rate}
+            stepped[request.model_id] = (adapter, metrics)
+            outcomes.append(metrics)
+        for hyper_fields, adapters in together.items():
+            adamw_together([a.optimizer for a in adapters], AdamHyper(*hyper_fields))
+        for adapter, metrics in stepped.values():
+            adapter.optimizer.zero_grad(set_to_none=True)
+            adapter.step += 1
+            metrics["step"] = float(adapter.step)
+        return outcomes
+
+    def _clipped(self, request: OptimRequest) -> tuple[_Adapter, float]:
+        """The run, after checking the request and clipping its gradient; and the gradient's norm before clipping.
+        A non-finite gradient is discarded."""
+        hyper = request.hyper
+        hyper.validate()
+        adapter = self._get(request.model_id)  # type: ignore[attr-defined]
+        if not isinstance(hyper, OPTIMIZERS[adapter.spec.optimizer]):
+            raise UserError(f"this training run uses the {adapter.spec.optimizer} optimizer (chosen when it was "
+                            f"created): send {'AdamParams' if adapter.spec.optimizer == 'adamw' else 'DimuonParams'}")
+        trained = [p for p in adapter.params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in trained])) if trained else 0.0
+        if not math.isfinite(grad_norm):
+            adapter.optimizer.zero_grad(set_to_none=True)
+            raise UserError(f"the accumulated gradient is not finite (norm {grad_norm}); it was discarded and the "
+                            "weights were not changed")
+        if hyper.grad_clip_norm > 0 and trained:  # scales each parameter's ``.grad`` in place
+            torch.nn.utils.clip_grads_with_norm_(trained, hyper.grad_clip_norm,
+                                                 torch.tensor(grad_norm, device=trained[0].device))
+        return adapter, grad_norm
+
+
+@torch.no_grad()
+def adamw_together(optimizers: list[torch.optim.AdamW], hyper: AdamHyper) -> None:
+    """``optimizer.step()`` of every optimizer in one call of torch's AdamW over all their parameters, with
+    ``hyper`` set on each (so each one's state and hyperparameters are exactly what its own step would leave).
+    All are foreach, or all fused (the trainer makes them so per device)."""
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+    has_complex = False
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group.update(lr=hyper.learning_rate, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+                         weight_decay=hyper.weight_decay)
+            has_complex |= optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                                 steps)
+    if not params:
+        return
+    group = optimizers[0].param_groups[0]
+    adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+         has_complex=has_complex, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.learning_rate,
+         weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=group["maximize"], foreach=group["foreach"],
+         capturable=group["capturable"], differentiable=group["differentiable"], fused=group["fused"],
+         grad_scale=None, found_inf=None, decoupled_weight_decay=group["decoupled_weight_decay"])

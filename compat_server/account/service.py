@@ -1,0 +1,202 @@
+"""The account side of the SDK's ``RestClient`` / ``AdminClient`` for one key: its audit log, checkpoint storage,
+hourly usage, session search and projects, the timeline of a session as a Perfetto-loadable trace, and the key's own
+record (``tinker auth login`` / ``logout``). Everything is scoped to the calling key."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from tinker import types
+
+from compat_server.access.auth import ANONYMOUS, owner_of
+from compat_server.access.tokens import TokenIssuer
+from compat_server.records import Records
+from compat_server.records.account import AUDITED_RESOURCES
+from compat_server.runs.downloads import DownloadGrant, UrlSigner
+from compat_server.runs.service import string_metadata
+from shims.errors import NotFound, UserError
+
+MAX_TRACE_REQUESTS = 100_000
+"""A trace holds at most this many requests (the oldest first)."""
+USAGE_WINDOW = timedelta(days=14)
+"""The longest usage window one call may ask for, as the SDK documents."""
+
+
+def _session_status(row: dict) -> Any:
+    if not row["finished"]:
+        return types.SessionActive()
+    reason = row["finish_reason"]
+    if reason in ("success", "errored", "interrupted"):
+        return types.ClientSessionFinished(reason={"type": reason})
+    return types.SessionCancelled(detail=f"ended by the server: {reason}")
+
+
+def _status_matches(status: Any, queries: list[Any] | None) -> bool:
+    if queries is None:
+        return True
+    for query in queries:
+        if query.type == status.type and (query.type != "client_finished" or query.reasons is None
+                                          or status.reason.type in query.reasons):
+            return True
+    return False
+
+
+class AccountService:
+    def __init__(self, records: Records, signer: UrlSigner) -> None:
+        self.records = records
+        self.signer = signer
+
+    # ---- audit, storage, usage ---------------------------------------------------------------------------------------
+    def audit_log(self, owner: str, event_type: str, day: date | None) -> types.AuditLogResponse:
+        if event_type not in ("all", *AUDITED_RESOURCES, "teams", "organizations"):
+            raise UserError(f"event_type must be all, checkpoints, projects, teams or organizations, not {event_type!r}")
+        start = datetime.combine(day or datetime.now(UTC).date(), datetime.min.time(), UTC)
+        prefix = None if event_type == "all" else AUDITED_RESOURCES.get(event_type, f"{event_type}_")
+        entries = self.records.audit_entries(owner, start.isoformat(), (start + timedelta(days=1)).isoformat(), prefix)
+        return types.AuditLogResponse(entries=[types.AuditLogEntry(
+            timestamp=row["at"], event=row["event"], event_details=row["details"],
+            model_id=row["details"].get("model_id") if row["event"].startswith("checkpoint_") else None,
+            tinker_path=row["details"].get("tinker_path"), purpose=row["details"].get("purpose"))
+            for row in entries])
+
+    def storage_usage(self, owner: str, project_id: str | None) -> types.CurrentCheckpointStorageUsageResponse:
+        """Live checkpoints of the key grouped by project (as the SDK's type groups them); no prices: self-hosted."""
+        rows = [r for r in self.records.storage_by_project(owner) if project_id is None or r["project_id"] == project_id]
+        return types.CurrentCheckpointStorageUsageResponse(data=[types.CurrentCheckpointStorageUsageItem(
+            project_id=r["project_id"], checkpoint_count=r["checkpoint_count"], size_bytes=r["size_bytes"],
+            size_gigabytes=r["size_bytes"] / 1e9) for r in rows])
+
+    def usage_events(self, owner: str, request: types.GetBillingUsageRequest) -> types.BillingUsageResponse:
+        """Hourly training tokens and checkpoint saves of the key. Sampled tokens are not kept per request, so they
+        are not reported; nothing carries a price."""
+        start, end = request.starting_on.astimezone(UTC), request.ending_before.astimezone(UTC)
+        if not start < end <= start + USAGE_WINDOW:
+            raise UserError("ending_before must come after starting_on, by at most 14 days")
+        span = (start.isoformat(), end.isoformat())
+
+        def bucket(hour: str) -> dict:
+            begin = datetime.fromisoformat(hour + ":00:00+00:00")
+            return {"bucket_start": begin, "bucket_end": begin + timedelta(hours=1)}
+
+        events = [types.BillingUsageEvent(**bucket(r["hour"]), base_model=r["base_model"], session_id=r["session_id"],
+                                          event_info=types.TrainingBillingEvent(token_count=r["tokens"] or 0))
+                  for r in self.records.training_tokens_by_hour(owner, *span)]
+        events += [types.BillingUsageEvent(**bucket(r["hour"]), base_model=r["base_model"],
+                                           event_info=types.CheckpointBillingEvent(count=r["count"]))
+                   for r in self.records.checkpoints_by_hour(owner, *span)]
+        return types.BillingUsageResponse(data=sorted(events, key=lambda e: e.bucket_start))
+
+    # ---- sessions ------------------------------------------------------------------------------------------------------
+    def _session(self, owner: str, session_id: str) -> dict:
+        row = self.records.session(session_id, owner)
+        if row is None:
+            raise NotFound(f"session {session_id!r} not found")
+        return row
+
+    def assign_project(self, owner: str, session_id: str, project_id: Any) -> None:
+        if not isinstance(project_id, str) or not project_id:
+            raise UserError("assigning a project needs {\"project_id\": \"…\"}")
+        self._session(owner, session_id)
+        self.records.set_session_project(session_id, project_id)
+        self.records.audit(owner, "project_session_assign", session_id=session_id, project_id=project_id)
+
+    def search_sessions(self, owner: str, req: types.SessionSearchRequest) -> types.SessionSearchResponse:
+        """The key's own sessions only (``owner`` other than "own" matches the key's own too: a key sees no one
+        else's), newest first, filtered and paged by the request."""
+        if req.owner.type == "user":
+            raise UserError("searching other users' sessions is not supported: a key sees only its own")
+        before = (req.cursor.last_created_at.astimezone(UTC).isoformat(), req.cursor.last_session_id) \
+            if req.cursor else None
+        words = (req.display_name or "").lower().split()
+        found: list[dict] = []
+        while len(found) < req.limit + 1:
+            rows = self.records.search_sessions(owner, before=before, limit=500)
+            if not rows:
+                break
+            for row in rows:
+                if self._session_matches(row, req, words):
+                    found.append(row)
+            before = (rows[-1]["created"], rows[-1]["id"])
+        page = found[:req.limit]
+        summaries = [self._summary(row) for row in page]
+        more = len(found) > req.limit
+        cursor = types.SessionSearchCursor(last_created_at=page[-1]["created"], last_session_id=page[-1]["id"]) \
+            if more and page else None
+        return types.SessionSearchResponse(sessions=summaries, next_cursor=cursor)
+
+    def _session_matches(self, row: dict, req: types.SessionSearchRequest, words: list[str]) -> bool:
+        metadata = string_metadata(row["user_metadata"])
+        named = bool(words) and all(w in (row["display_name"] or "").lower() for w in words)
+        if (req.session_id is not None or words) and not (row["id"] == req.session_id or named):
+            return False
+        if req.project_ids is not None and (row["project_id"] or "default") not in req.project_ids:
+            return False
+        if any(metadata.get(k) != v for k, v in req.user_metadata.items()):
+            return False
+        return _status_matches(_session_status(row), req.statuses)
+
+    def _summary(self, row: dict) -> types.SessionSummary:
+        count, size = self.records.session_storage(row["id"])
+        return types.SessionSummary(
+            session_id=row["id"], created_at=row["created"], owner=f"key:{row['owner'][:16]}",
+            project_id=row["project_id"] or "default", status=_session_status(row), checkpoints_count=count,
+            display_name=row["display_name"], user_metadata=string_metadata(row["user_metadata"]) or None,
+            checkpoint_storage_bytes=size)
+
+    # ---- trace export ----------------------------------------------------------------------------------------------------
+    def _trace_grant(self, session_id: str, owner: str) -> DownloadGrant:
+        return DownloadGrant(tinker_path=f"session-trace:{session_id}", uid=session_id,
+                             grantee=self.signer.grantee(owner))
+
+    def trace_url(self, owner: str, session_id: str, base_url: str) -> str:
+        """A signed URL of the session's trace, like checkpoint download URLs (no API key needed until it expires)."""
+        self._session(owner, session_id)
+        self.records.audit(owner, "session_trace_export", session_id=session_id)
+        _, query = self.signer.sign(self._trace_grant(session_id, owner), "trace.json")
+        return f"{base_url.rstrip('/')}/api/v1/sessions/{session_id}/trace.json?{query}"
+
+    def trace(self, session_id: str, grantee: str, expires: int, signature: str) -> dict:
+        """The session's requests as a Chrome/Perfetto JSON trace: one complete slice per request, one track per
+        training run or sampling client. Re-checked at download: the URL's key must still own the session."""
+        owner = self.records.session_owner(session_id)
+        if owner is None or self.signer.grantee(owner) != grantee or not self.signer.valid(
+                self._trace_grant(session_id, owner), "trace.json", expires, signature):
+            raise NotFound("this trace URL is invalid or has expired; export the trace again")
+        requests = self.records.session_requests(session_id, owner, MAX_TRACE_REQUESTS)
+        lanes = {lane: index + 1 for index, lane in enumerate(dict.fromkeys(r["lane"] or "other" for r in requests))}
+        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"session {session_id}"}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+                   for lane, tid in lanes.items()]
+        for r in requests:
+            begin = datetime.fromisoformat(r["created"]).timestamp() * 1e6
+            end = datetime.fromisoformat(r["finished"]).timestamp() * 1e6 if r["finished"] else begin
+            events.append({"name": r["kind"], "cat": "request", "ph": "X", "pid": 1, "tid": lanes[r["lane"] or "other"],
+                           "ts": begin, "dur": max(end - begin, 0.0),
+                           "args": {"request_id": r["request_id"], "state": r["state"]}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    # ---- the key itself ------------------------------------------------------------------------------------------------
+    def token(self, owner: str, tokens: TokenIssuer) -> str:
+        row = self.records.key_of(owner)
+        return tokens.issue(owner, row["name"] if row else "open-auth-key")
+
+    def key_info(self, owner: str, auth_mode: str) -> dict:
+        """``tinker auth login`` checks a pasted key with this (the CLI's ``SelfApiKeyResponse``)."""
+        row = self.records.key_of(owner)
+        anonymous = owner == owner_of(ANONYMOUS)
+        name = row["name"] if row else "anonymous" if anonymous else "open-auth key"
+        key_id = int(row["id"], 16) if row else int(owner[:12], 16)
+        note = ("registered with compat-server keys create" if row
+                else "no tml- key: the one tenant shared by every such caller (--auth open)" if anonymous
+                else f"any tml- key is accepted (--auth {auth_mode})")
+        return {"key_id": key_id, "name": name, "note": note,
+                "details": {"org_details": {"name": "compat-server"}, "user_details": {"email": f"{name}@compat-server"}}}
+
+    def revoke_own_key(self, owner: str) -> None:
+        """``tinker auth logout``: the key revokes itself (and nothing else)."""
+        row = self.records.key_of(owner)
+        if row is None:
+            raise UserError("this server runs with --auth open: keys are not registered, so there is nothing to revoke")
+        self.records.revoke_key(row["id"])
+        self.records.audit(owner, "apikey_revoke", name=row["name"])

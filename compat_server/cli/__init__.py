@@ -1,0 +1,1 @@
+"""The ``compat-server`` command: ``serve`` (its options generated from ``ServerConfig``) and ``keys``."""

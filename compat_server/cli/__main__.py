@@ -1,0 +1,3 @@
+from compat_server.cli.main import main
+
+main()

@@ -1,0 +1,177 @@
+"""The training operations behind the Tinker routes: what each request does to records, checkpoints and trainers.
+
+Routes parse HTTP and call one method here; each method checks what it can at once and hands the rest to the
+scheduler as a job, returning the future's JSON (``{"request_id", "model_id"}``) immediately.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+from dataclasses import asdict
+
+from tinker import types
+from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
+
+from adapters.trainer.interface import AdamHyper, DimuonHyper, LoraSpec, StepRequest
+from compat_server.jobs.futures import PROTOBUF, Payload
+from compat_server.telemetry import TOKENS_TRAINED
+from compat_server.training.checkpoints import CheckpointCalls
+from compat_server.training.core import json_payload, model_id_for
+from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
+from shims.errors import NotFound, UserError
+from shims.tinker.training_wire import ForwardBackwardBatch, encode_forward_backward_output
+
+log = logging.getLogger("compat_server.training")
+
+
+def optimizer_family(config: OptimizerConfigBase) -> str:
+    """``create_model``'s ``optimizer_config`` → the family the run trains with (``adamw`` or ``dimuon`` v1)."""
+    fields = config.model_dump(exclude={"type"})
+    if config.type == "adamw" and not fields:
+        return "adamw"
+    if config.type == "dimuon" and fields == {"version": 1}:
+        return "dimuon"
+    raise UserError(f"optimizer_config {config.model_dump()} is not supported; use AdamOptimizerConfig() or "
+                    "DimuonOptimizerConfig() (version 1)")
+
+
+def optimizer_hyper(params: types.AdamParams | OptimParamsBase) -> AdamHyper | DimuonHyper:
+    """``optim_step``'s parameters → the trainer's, refusing unknown families and fields by name."""
+    if isinstance(params, types.AdamParams):
+        return AdamHyper(**params.model_dump())
+    if params.type != "dimuon":
+        raise UserError(f"optimizer params of type {params.type!r} are not supported; use AdamParams or DimuonParams")
+    try:
+        return DimuonHyper(**params.model_dump(exclude={"type"}))
+    except TypeError as exc:
+        raise UserError(f"DimuonParams takes learning_rate, beta1 and grad_clip_norm: {exc}") from None
+
+
+class TrainingService(CheckpointCalls):
+    """Tinker training calls for one server: create, train, save, load and unload LoRA models."""
+
+    def metrics(self) -> dict:
+        """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches, and
+        how many optim steps, in how many trainer calls."""
+        trainers = self.scheduler.trainers
+        return {name: {**counts, "mean_requests_per_batch": counts["requests"] / counts["batches"] if counts["batches"]
+                       else None, "node": trainers.facts[name].node, "pid": trainers.facts[name].pid}
+                for name, counts in trainers.batch_counts.items()}
+
+    # ---- create / info / unload -----------------------------------------------------------------------------------
+    def create_model(self, owner: str, req: types.CreateModelRequest, idem: str | None) -> dict:
+        model_id = model_id_for(req.session_id, req.model_seq_id)
+
+        async def job() -> Payload:
+            if self.records.session(req.session_id, owner) is None:
+                raise NotFound(f"unknown session_id {req.session_id!r}")
+            base = self._base(req.base_model)
+            if req.lora_config is None:
+                raise UserError("lora_config is required: this server trains LoRA adapters")
+            optimizer = optimizer_family(req.optimizer_config)
+            if self.records.model(model_id, owner) is not None:
+                raise UserError(f"model {model_id} already exists")
+            lora = req.lora_config
+            spec = LoraSpec(rank=lora.rank, seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
+                            train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+                            optimizer=optimizer)
+            spec.validate()
+            if spec.rank > self.max_lora_rank:
+                raise UserError(f"LoRA rank {spec.rank} is above this server's --max-lora-rank {self.max_lora_rank} "
+                                "(the samplers are started for ranks up to it); ask for a smaller rank")
+            with self._new_model_slot(owner):
+                await self.scheduler.trainer(base.name, "create", model_id, spec)
+                self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
+                                          lora=asdict(spec), user_metadata=req.user_metadata)
+            log.info("model created: %s on %s (LoRA rank %d)", model_id, base.name, spec.rank,
+                     extra={"event": "model_created", "model_id": model_id, "base_model": base.name,
+                            "lora_rank": spec.rank})
+            return json_payload(types.CreateModelResponse(model_id=model_id))
+
+        return self._future(self.scheduler.submit(owner=owner, kind="create_model", job=job, model_id=model_id,
+                                                  idempotency_key=idem), model_id)
+
+    def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
+        row = self.records.model(model_id, owner)
+        if row is None:
+            raise NotFound(f"unknown model_id {model_id!r}")
+        base = self.base_models[row["base_model"]]
+        facts = self.scheduler.trainers.facts[base.name]
+        return types.GetInfoResponse(
+            type="get_info", model_id=model_id, is_lora=True, lora_rank=row["lora_rank"], model_name=base.name,
+            model_data=types.ModelData(arch=facts.arch, model_name=base.name, tokenizer_id=base.tokenizer_id),
+        )
+
+    def unload_model(self, owner: str, model_id: str, idem: str | None) -> dict:
+        async def job(row: dict) -> Payload:
+            await self.scheduler.trainer(row["base_model"], "unload", model_id)
+            self.records.set_model_status(model_id, "unloaded")
+            log.info("model unloaded: %s", model_id)
+            return json_payload(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
+
+        return self._ordered(owner, "unload_model", model_id, None, idem, job)
+
+    def reject(self, owner: str, kind: str, model_id: str, seq_id: int | None, message: str, idem: str | None) -> dict:
+        """Fail a request with a user error in its model's turn, so later requests of that model are not held up."""
+        async def job(row: dict) -> Payload:
+            raise UserError(message)
+
+        return self._ordered(owner, kind, model_id, seq_id, idem, job)
+
+    # ---- training -------------------------------------------------------------------------------------------------
+    def forward_backward(self, owner: str, batch: ForwardBackwardBatch, idem: str | None) -> dict:
+        kind = "forward" if batch.forward_only else "forward_backward"
+
+        async def job(row: dict) -> Payload:
+            custom = self.custom_losses.resolve(owner, row["session_id"], batch.loss_fn_config) \
+                if batch.loss_fn == "custom" else None
+            data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
+            config = batch.loss_fn_config if custom is None else {}
+            result = await self.scheduler.forward_backward(row["base_model"], StepRequest(
+                batch.model_id, data, batch.loss_fn, config, batch.forward_only, custom_loss=custom))
+            speed = result.num_tokens / max(result.seconds, 1e-9)
+            TOKENS_TRAINED.add(result.num_tokens, {"base_model": row["base_model"], "kind": kind})
+            self.records.add_step(batch.model_id, seq_id=batch.seq_id, kind=kind, loss_fn=batch.loss_fn,
+                                  metrics=result.metrics, num_tokens=result.num_tokens, tokens_per_s=speed)
+            log.info("%s done: %s seq %d, %s %s, %d tokens, %.0f tokens/s", kind, batch.model_id, batch.seq_id,
+                     batch.loss_fn, " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()), result.num_tokens,
+                     speed, extra={"event": f"{kind}_done", "model_id": batch.model_id, "seq_id": batch.seq_id,
+                                   "loss_fn": batch.loss_fn, "metrics": result.metrics,
+                                   "tokens": result.num_tokens, "tokens_per_s": round(speed, 1)})
+            return Payload(PROTOBUF, encode_forward_backward_output(result.outputs, result.metrics))
+
+        return self._ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
+
+    def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest, limits: CustomLossLimits,
+                           max_per_key: int, idem: str | None) -> dict:
+        """Check and store a traced loss at once (anything wrong is a 400 naming it); the future answers its id."""
+        session = self.records.session(req.session_id, owner)
+        if session is None:
+            raise NotFound(f"unknown session_id {req.session_id!r}")
+        if session["finished"]:
+            raise UserError(f"session {req.session_id} has ended; create the loss in a live session")
+        loss = compile_custom_loss(req.name, req.inputs, req.graph.nodes, limits)
+        digest = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+        loss_id = self.custom_losses.add(owner, req.session_id, req.custom_loss_seq_id, loss, digest, max_per_key)
+
+        async def job() -> Payload:
+            return json_payload(types.CreateCustomLossResponse(loss_id=loss_id))
+
+        return self._future(self.scheduler.submit(owner=owner, kind="create_custom_loss", job=job,
+                                                  idempotency_key=idem))
+
+    def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
+        async def job(row: dict) -> Payload:
+            hyper = optimizer_hyper(req.optim_params)
+            metrics = await self.scheduler.optim_step(row["base_model"], req.model_id, hyper)
+            self._last_step[req.model_id] = int(metrics["step"])
+            log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
+                     hyper.learning_rate, metrics["grad_norm"],
+                     extra={"event": "optim_step_done", "model_id": req.model_id, "step": int(metrics["step"]),
+                            "learning_rate": hyper.learning_rate, "grad_norm": metrics["grad_norm"]})
+            return json_payload(types.OptimStepResponse(metrics=metrics))
+
+        return self._ordered(owner, "optim_step", req.model_id, req.seq_id, idem, job)
+

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API ↔ OpenAI chat completions: requests in, answers and stream events out."""

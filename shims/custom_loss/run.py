@@ -1,0 +1,243 @@
+"""Runs a checked ``CustomLoss`` (see ``shims.custom_loss.graph``) on one datum's tensors, as the SDK's client-side
+path does: ``(logprobs, *inputs) → (scalar loss, metrics)`` per datum, losses summed, ``:mean`` metrics averaged
+over the datums and ``:sum`` metrics summed (``run_loss_handle`` in ``tinker/lib/public_interfaces/custom_loss.py``).
+
+Each step's output size is bounded before it runs and counted after, against the loss's ``max_elements``; whatever
+a step raises is a ``UserError`` naming it. Nothing here calls a name that is not in ``shims.custom_loss.ops``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from shims.custom_loss import ops
+from shims.custom_loss.graph import MAX_INT, MAX_STRING, CustomLoss, Ref, RunDevice, SliceArg, Step
+from shims.errors import UserError
+
+_SEQUENCES = (str, bytes, list, tuple)
+_VALUES = (torch.Tensor, bool, int, float, str, type(None), torch.dtype)
+
+
+def _as_rank(value: Any, rank: int, n: int) -> Any:
+    """The input at its declared rank, or None. The wire cannot tell a scalar from a one-element ``[T]`` with no
+    stated shape, so when ``T = 1`` either reads as the rank declared."""
+    if value.ndim == rank:
+        return value
+    if rank == 0 and tuple(value.shape) == (1,) and n == 1:
+        return value.reshape(())
+    if rank == 1 and value.ndim == 0 and n == 1:
+        return value.reshape(1)
+    return None
+
+
+def check_custom_datum(loss: CustomLoss, index: int, tokens: np.ndarray, inputs: Mapping[str, np.ndarray], *,
+                       vocab_size: int, max_context: int) -> None:
+    """What ``shims.losses.check_datum`` checks for a built-in loss, for a custom one: the tokens, ``target_tokens``,
+    and each input the loss reads at its declared rank. Inputs it does not read are ignored, as client-side."""
+    where, n = f"datum {index}", tokens.size
+    if n == 0 or n > max_context:
+        raise UserError(f"{where}: model_input has {n} tokens; it needs 1 to {max_context}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise UserError(f"{where}: model_input token ids must lie in [0, {vocab_size})")
+    targets = inputs.get("target_tokens")
+    if targets is None or targets.dtype.kind != "i" or targets.shape[:1] != (n,) or targets.ndim > 2:
+        raise UserError(f"{where}: a custom loss needs int64 target_tokens of shape [{n}] or [{n}, K]")
+    if targets.min() < 0 or targets.max() >= vocab_size:
+        raise UserError(f"{where}: target_tokens ids must lie in [0, {vocab_size})")
+    if targets.ndim != loss.inputs[0][1]:
+        raise UserError(f"{where}: target_tokens has rank {targets.ndim}, but loss {loss.name!r} declared logprobs "
+                        f"with rank {loss.inputs[0][1]}")
+    for name, rank in loss.inputs[1:]:
+        if name not in inputs:
+            raise UserError(f"{where} has no loss_fn_inputs[{name!r}], which loss {loss.name!r} takes")
+        if _as_rank(inputs[name], rank, n) is None:
+            raise UserError(f"{where}: loss_fn_inputs[{name!r}] has rank {inputs[name].ndim}, but loss "
+                            f"{loss.name!r} declared {name} with rank {rank}")
+
+
+def _resolve(arg: Any, values: list, device: torch.device) -> Any:
+    if isinstance(arg, Ref):
+        return values[arg.index]
+    if isinstance(arg, RunDevice):
+        return device
+    if isinstance(arg, SliceArg):
+        return slice(*(_resolve(a, values, device) for a in (arg.start, arg.stop, arg.step)))
+    if isinstance(arg, list):
+        return [_resolve(a, values, device) for a in arg]
+    if isinstance(arg, tuple):
+        return tuple(_resolve(a, values, device) for a in arg)
+    return arg
+
+
+def _leaves(value: Any):
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, slice):
+        yield from _leaves([value.start, value.stop, value.step])
+    else:
+        yield value
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    return value
+
+
+class _Budget:
+    """The tensor elements one datum's loss has made so far, against its limit."""
+
+    def __init__(self, loss: CustomLoss) -> None:
+        self.loss, self.used = loss, 0
+
+    def _over(self, where: str, elements: int) -> UserError:
+        return UserError(f"custom loss {self.loss.name!r}: {where} would bring the tensors one datum's loss makes to "
+                         f"{elements} elements; this server allows {self.loss.max_elements} "
+                         "(--custom-loss-max-elements)")
+
+    def before(self, where: str, fn: Any, args: tuple, kwargs: dict) -> None:
+        leaves = list(_leaves((args, kwargs)))
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        direct = [v.shape for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        estimate = sum(t.numel() for t in tensors) + len(leaves) - len(tensors)
+        if direct:
+            try:
+                estimate = max(estimate, math.prod(torch.broadcast_shapes(*direct)))
+            except RuntimeError:
+                pass
+        if fn is operator.getitem and any(t.dtype != torch.bool for t in tensors[1:]):
+            estimate = self._indexed(args)
+        if self.used + estimate > self.loss.max_elements:
+            raise self._over(where, self.used + estimate)
+
+    @staticmethod
+    def _indexed(args: tuple) -> int:
+        """Indexing by an integer tensor makes as many rows as the index has: sized on meta tensors, or bounded by
+        the product of every index's size where meta tensors cannot say."""
+        try:
+            return _meta(args[0])[_meta(args[1])].numel()
+        except Exception:  # noqa: BLE001 - the bound below holds whatever the index is
+            bound = args[0].numel() if isinstance(args[0], torch.Tensor) else 1
+            return bound * math.prod(t.numel() for t in _leaves(args[1:]) if isinstance(t, torch.Tensor))
+
+    def after(self, where: str, result: Any) -> None:
+        self.used += sum(v.numel() for v in _leaves(result) if isinstance(v, torch.Tensor))
+        if self.used > self.loss.max_elements:
+            raise self._over(where, self.used)
+
+
+def _check_value(where: str, loss: CustomLoss, value: Any) -> None:
+    """Only plain values flow between steps, none that grows without bound."""
+    problem = None
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= MAX_INT:
+        problem = "an integer beyond 64 bits"
+    elif isinstance(value, str) and len(value) > MAX_STRING:
+        problem = f"a string longer than {MAX_STRING} characters"
+    elif isinstance(value, (list, tuple)):
+        if len(value) > loss.max_items:
+            problem = f"a sequence of more than {loss.max_items} items (--custom-loss-max-constants)"
+        else:
+            for item in value:
+                _check_value(where, loss, item)
+    elif not isinstance(value, _VALUES):
+        problem = f"a value of type {type(value).__name__}"
+    if problem:
+        raise UserError(f"custom loss {loss.name!r}: {where} made {problem}, which a custom loss may not")
+
+
+def _call(step: Step, args: tuple, kwargs: dict, device: torch.device) -> tuple[Any, Any]:
+    """The function a step runs, with its final arguments; refuses what the allow-list does not admit for them."""
+    if step.kind == "method":
+        receiver = args[0]
+        if step.target not in ops.METHODS or not isinstance(receiver, torch.Tensor):
+            raise UserError(f"method {step.target!r} can only be called on a tensor here")
+        return getattr(receiver, step.target), (args[1:], kwargs)
+    fn = ops.FUNCTIONS.get(step.target)
+    if fn is None:
+        raise UserError(f"{step.target!r} is not an allowed function")
+    if fn is getattr:
+        obj, name = args
+        on_tensor = isinstance(obj, torch.Tensor) and name in ops.TENSOR_ATTRIBUTES
+        on_result = type(obj).__module__ == "torch.return_types" and name in ops.RESULT_ATTRIBUTES
+        if not (on_tensor or on_result):
+            raise UserError(f"attribute {name!r} cannot be read from a {type(obj).__name__}")
+    elif fn in ops.OPERATORS:
+        if fn not in ops.SEQUENCE_OPERATORS and any(isinstance(a, _SEQUENCES) for a in args):
+            raise UserError(f"{step.target} does not take tuples, lists or strings here")
+        if fn is operator.pow and not any(isinstance(a, torch.Tensor) for a in args) \
+                and isinstance(args[0], int) and isinstance(args[1], int) and abs(args[1]) > 64 \
+                and args[0] not in (0, 1, -1):
+            raise UserError("a Python integer power's exponent may be at most 64")
+    elif fn in (torch.tensor, torch.as_tensor):
+        kwargs = {**kwargs, "device": device}
+    return fn, (args, kwargs)
+
+
+def run_datum(loss: CustomLoss, logprobs: torch.Tensor,
+              inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """One datum's ``(loss, metrics)``; ``inputs`` passed ``check_custom_datum``."""
+    device, n = logprobs.device, logprobs.shape[0]
+    values: list[Any] = [logprobs, *(_as_rank(inputs[name], rank, n) for name, rank in loss.inputs[1:])]
+    budget = _Budget(loss)
+    for step in loss.steps:
+        where = f"node {step.name!r} ({step.target})"
+        args = tuple(_resolve(a, values, device) for a in step.args)
+        kwargs = {key: _resolve(v, values, device) for key, v in step.kwargs.items()}
+        try:
+            fn, (call_args, call_kwargs) = _call(step, args, kwargs, device)
+            budget.before(where, fn, call_args if step.kind == "function" else args, call_kwargs)
+            result = fn(*call_args, **call_kwargs)
+        except UserError as exc:
+            message = str(exc)
+            raise (exc if message.startswith("custom loss") else
+                   UserError(f"custom loss {loss.name!r}: {where}: {message}")) from None
+        except Exception as exc:  # noqa: BLE001 - whatever the loss's own arithmetic raises is the user's to fix
+            raise UserError(f"custom loss {loss.name!r}: {where} failed: {type(exc).__name__}: {exc}") from None
+        _check_value(where, loss, result)
+        budget.after(where, result)
+        values.append(result)
+    total = values[loss.loss.index]
+    if not isinstance(total, torch.Tensor) or total.ndim != 0 or not total.is_floating_point():
+        shown = tuple(total.shape) if isinstance(total, torch.Tensor) else type(total).__name__
+        raise UserError(f"loss {loss.name!r} must return a scalar floating-point loss, got {shown}")
+    metrics = {}
+    for key, ref in loss.metrics:
+        value = values[ref.index]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.detach().item()
+        if not isinstance(value, (bool, int, float)):
+            raise UserError(f"loss {loss.name!r} metric {key!r} must be a one-element tensor or a number")
+        metrics[key] = float(value)
+    return total, metrics
+
+
+class CustomLossBatch:
+    """One request's custom loss over its datums: the per-datum losses to sum, and the metrics reduced as the SDK's
+    client-side path reduces them."""
+
+    def __init__(self, loss: CustomLoss) -> None:
+        self.loss = loss
+        self._sums: dict[str, float] = {}
+        self._count = 0
+
+    def datum(self, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        total, metrics = run_datum(self.loss, logprobs, inputs)
+        for key, value in metrics.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+        self._count += 1
+        return total
+
+    def metrics(self) -> dict[str, float]:
+        return {key: value / self._count if key.endswith(":mean") else value for key, value in self._sums.items()}

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API ↔ chat completions: requests in, responses and stream events out."""

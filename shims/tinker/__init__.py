@@ -1,0 +1,1 @@
+"""The Tinker wire: TensorData ↔ arrays and the training and sampling request / response bodies ↔ typed jobs."""
