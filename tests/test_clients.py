@@ -73,16 +73,19 @@ def test_lm_eval_generation_through_local_chat_completions(server):
     assert all(isinstance(s["resps"][0][0], str) for s in results["samples"][GEN_TASK])
 
 
-def test_openai_parse_gives_the_pydantic_object(server, no_whitespace):
+def test_openai_parse_gives_the_pydantic_object(server, no_whitespace, tokenizer):
+    """``parse`` with a pydantic schema, and ``json_object`` mode: any JSON object, here with quotes and the closing
+    brace made likely so that the random model's strings and object end well within ``max_tokens``."""
     oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="EMPTY", max_retries=0)
     parsed = oai.chat.completions.parse(model=BASE_MODEL, messages=[{"role": "user", "content": "Weather?"}],
                                         response_format=Weather, temperature=0, max_tokens=40, logit_bias=no_whitespace)
     assert isinstance(parsed.choices[0].message.parsed, Weather)
+    likely = {str(tokenizer.convert_tokens_to_ids('"')): 6, str(tokenizer.convert_tokens_to_ids("}")): 4}
     mode = oai.chat.completions.create(model=BASE_MODEL, messages=[{"role": "user", "content": "JSON please"}],
                                        response_format={"type": "json_object"}, temperature=0, max_tokens=60,
-                                       logit_bias=no_whitespace, seed=1)
-    if mode.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(mode.choices[0].message.content), dict)
+                                       logit_bias={**no_whitespace, **likely}, seed=1)
+    assert mode.choices[0].finish_reason == "stop", mode
+    assert isinstance(json.loads(mode.choices[0].message.content), dict)
 
 
 def test_langchain_chat_stream_tools_and_structured_output(server, no_whitespace):

@@ -1,5 +1,5 @@
-"""shims.openai.tool_calls, shims.sampling.json_schema_limits and the output constraint of shims.openai.params: what ``tool_choice``
-and ``response_format`` ask for, which schemas constrained decoding can enforce, and the model's ``<tool_call>``
+"""shims.openai.tool_calls, shims.sampling.json_schema_limits and the output constraint of shims.openai.params: what
+``tool_choice`` and ``response_format`` ask for, which schemas constrained decoding can enforce, and the model's ``<tool_call>``
 blocks parsed into OpenAI ``tool_calls``, whole and streamed alike."""
 
 from __future__ import annotations
@@ -130,6 +130,30 @@ def test_tool_choice_modes_and_the_schemas_they_constrain_to():
                                                                           ("get_time", {})]
     assert without_ids(constrained_calls(named, "{}")) == [("get_time", {})]
     assert constrained_calls(required, '[{"name": "get_time", "param') == []  # cut short by max_tokens
+
+
+def test_a_named_call_cut_short_by_max_tokens_is_still_the_call_whole_and_streamed(tiny_model_dir):
+    """As vLLM answers a named ``tool_choice`` however the text ends: the call, its arguments the text as far as it
+    got, and no content; only a blank text is no call (and empty content). The sampler's finish_reason stays."""
+    from transformers import AutoTokenizer
+
+    from shims.openai.choice import ChoiceOutput
+    from shims.openai.text import Vocabulary
+
+    vocab = Vocabulary(AutoTokenizer.from_pretrained(tiny_model_dir))
+    named = tool_mode(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    for text, calls in (('{"city": "Par', [("get_weather", '{"city": "Par')]), (" ", [])):
+        tokens = vocab.encode(text)
+        whole = ChoiceOutput(vocab, (), named)
+        content, whole_made = whole.push(tokens, final=True)
+        streamed, streamed_content, streamed_made = ChoiceOutput(vocab, (), named), "", []
+        for i, token in enumerate(tokens):
+            delta, new = streamed.push([token], final=i == len(tokens) - 1)
+            streamed_content, streamed_made = streamed_content + delta, streamed_made + new
+        assert content == streamed_content == ""
+        for out, made in ((whole, whole_made), (streamed, streamed_made)):
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in made] == calls
+            assert out.finish_reason("length") == "length"
 
 
 @pytest.mark.parametrize("fields, fragment", [

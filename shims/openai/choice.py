@@ -25,7 +25,8 @@ class ChoiceOutput:
 
     def push(self, tokens: Sequence[int], final: bool = False) -> tuple[str, list[dict]]:
         """Add sampled tokens; returns (content delta, tool calls completed by them). A forced call (``required`` or
-        a named function) is JSON that only means something whole: it comes out at the end."""
+        a named function) is JSON that only means something whole: it comes out at the end. A named function's text
+        is never content, even cut short by ``max_tokens`` (vLLM's answer: the call with the partial arguments)."""
         delta = self.assembler.push(tokens, final)
         if self.calls is not None:
             content, calls = self.calls.push(delta, final)
@@ -34,7 +35,7 @@ class ChoiceOutput:
             if not final:
                 return "", []
             calls = constrained_calls(self.tools, self.held)
-            content = "" if calls else self.held
+            content = "" if calls or self.tools.kind == "named" else self.held
         else:
             content, calls = delta, []
         self.called = self.called or bool(calls)

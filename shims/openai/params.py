@@ -3,7 +3,9 @@ extensions, and the output constraint (``response_format``, vLLM's ``structured_
 
 The request first becomes the same ``tinker`` ``SampleRequest`` the Tinker route decodes, so both APIs share one set
 of sampling checks (context size, vocabulary, sample count); the fields the Tinker wire has no place for are then set
-on the job. Pure: nothing here does I/O.
+on the job. That request names no model (``base_model``, ``model_path`` and ``sampling_session_id`` are all optional
+and left unset): the route has already chosen the sampler from the request's ``model``, and the decoding reads only
+the sampling fields. Pure: nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def sampling_job(req: ChatRequest | CompletionRequest, prompt: list[int], limits
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if not req.top_k else req.top_k)
     sample = types.SampleRequest(
-        num_samples=req.n or 1, prompt=types.ModelInput.from_ints(prompt), sampling_params=params, base_model="-",
+        num_samples=req.n or 1, prompt=types.ModelInput.from_ints(prompt), sampling_params=params,
         topk_sample_logprobs=k, prompt_logprobs=echo_logprobs or req.prompt_logprobs is not None,
         topk_prompt_logprobs=max(k if echo_logprobs else 0, req.prompt_logprobs or 0))
     stop_ids = list(req.stop_token_ids or [])

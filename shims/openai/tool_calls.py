@@ -4,7 +4,7 @@ streamed.
 
 As vLLM's server does: ``auto`` parses whatever calls the model chose to write; ``required`` and a named function
 constrain the output to JSON (a list of ``{"name", "parameters"}``, or the named function's arguments), so a call
-always comes back and always parses. Pure: nothing here does I/O.
+always comes back and, unless ``max_tokens`` cuts it short, parses. Pure: nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -96,14 +96,16 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
 
 
 def constrained_calls(mode: ToolMode, text: str) -> list[dict]:
-    """The calls in a ``required`` / ``named`` response, which the constraint made valid JSON (a response cut short by
-    ``max_tokens`` may not be: it then has no calls and keeps its text as content)."""
+    """The calls in a ``required`` / ``named`` response, which the constraint made valid JSON. A response cut short by
+    ``max_tokens`` may not be: a named function's call still comes back, its arguments the text as far as it got (as
+    vLLM answers; only a blank text is no call), while a ``required`` list that does not parse has no calls and keeps
+    its text as content."""
+    if mode.kind == "named":
+        return [_call(mode.name, text)] if text.strip() else []
     try:
         value = json.loads(text)
     except ValueError:
         return []
-    if mode.kind == "named":
-        return [_call(mode.name, text)]
     return [_call(c["name"], c.get("parameters", {})) for c in value if isinstance(c, dict) and "name" in c]
 
 
