@@ -116,7 +116,7 @@ async def start_services(config: ServerConfig) -> Services:
     """Open the records, start Ray, the trainers and the samplers; returns when every base model is loaded."""
     base_models = {name: resolve_base_model(name) for name in config.base_models}
     records = Records(config.records_path)
-    failed, unloaded = records.recover_after_restart()
+    failed, unloaded = records.runs.recover_after_restart()
     if failed or unloaded:
         log.warning("the previous server process stopped with %d requests in flight (now failed) and %d models "
                     "loaded (reload them from a checkpoint)", failed, unloaded)
@@ -152,7 +152,7 @@ async def start_services(config: ServerConfig) -> Services:
     checkpoints = CheckpointStore(config.checkpoint_dir, config.min_checkpoint_ttl)
     if checkpoints.abandoned:
         log.warning("deleted %d half-written checkpoints left by the previous server process", checkpoints.abandoned)
-    if moved := checkpoints.adopt_unversioned(records.all_checkpoints()):
+    if moved := checkpoints.adopt_unversioned(records.checkpoints.all_checkpoints()):
         log.info("moved %d checkpoints into per-save directories (records schema %d)", moved, SCHEMA_VERSION)
     sampling = SamplingService(records, scheduler, samplers, checkpoints, config.ephemeral_dir, base_models,
                                SamplingOptions(max_num_samples=config.max_num_samples,

@@ -50,7 +50,7 @@ def service_client_for(server):
 
 def keys_command(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """``compat-server keys …`` on a data directory."""
-    return subprocess.run([sys.executable, "-m", "compat_server.cli.main", "keys", "--data-dir", str(data_dir), *args],
+    return subprocess.run([sys.executable, "-m", "compat_server.cli", "keys", "--data-dir", str(data_dir), *args],
                           capture_output=True, text=True, timeout=60, check=False)
 
 

@@ -67,7 +67,7 @@ def _admin_key(data_dir: Path) -> str:
     """The data directory's operator key for the tests, made once (a restarted server keeps it)."""
     kept = data_dir / "test-admin-key"
     if not kept.exists():
-        made = subprocess.run([sys.executable, "-m", "compat_server.cli.main", "keys", "--data-dir", str(data_dir),
+        made = subprocess.run([sys.executable, "-m", "compat_server.cli", "keys", "--data-dir", str(data_dir),
                                "create", "--admin", "--name", "test-operator"],
                               capture_output=True, text=True, timeout=60, check=True)
         kept.write_text(made.stdout.strip())
@@ -86,7 +86,7 @@ def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str]
     log_path = data_dir / "server.log"
     log_file = open(log_path, "wb")  # noqa: SIM115 - the child process writes to it for its whole life
     process = subprocess.Popen(
-        [sys.executable, "-m", "compat_server.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "compat_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args],
         stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
     )

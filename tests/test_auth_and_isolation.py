@@ -42,7 +42,7 @@ def test_only_registered_keys_get_in_and_revocation_is_immediate(keyed_server):
 
 
 def test_open_auth_is_refused_on_a_reachable_address():
-    refused = subprocess.run([sys.executable, "-m", "compat_server.cli.main", "serve", "--host", "0.0.0.0", "--auth",
+    refused = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--host", "0.0.0.0", "--auth",
                               "open"], capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "--allow-open-auth" in refused.stderr
 

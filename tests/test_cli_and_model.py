@@ -11,8 +11,8 @@ from adapters.models.tiny import ensure_tiny_model
 
 
 def test_help_explains_every_serve_option():
-    top = subprocess.run([sys.executable, "-m", "compat_server.cli.main", "--help"], capture_output=True, text=True, check=False)
-    serve = subprocess.run([sys.executable, "-m", "compat_server.cli.main", "serve", "--help"], capture_output=True,
+    top = subprocess.run([sys.executable, "-m", "compat_server.cli", "--help"], capture_output=True, text=True, check=False)
+    serve = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--help"], capture_output=True,
                            text=True, check=False)
     assert top.returncode == 0 and serve.returncode == 0
     for option in ["--host", "--port", "--base-model", "--data-dir", "--ray-address", "--trainer-gpus",
@@ -42,11 +42,11 @@ def test_the_cli_and_the_keys_command_load_no_machine_learning_libraries(tmp_pat
 
 
 def test_invalid_option_values_are_refused_with_the_option_named():
-    done = subprocess.run([sys.executable, "-m", "compat_server.cli.main", "serve", "--samplers", "0",
+    done = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--samplers", "0",
                            "--max-resident-adapters", "0"], capture_output=True, text=True, check=False)
     assert done.returncode == 2
     assert "--samplers must be at least 1" in done.stderr and "--max-resident-adapters must be at least 1" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "compat_server.cli.main", "serve", "--vllm-max-loras", "0"],
+    done = subprocess.run([sys.executable, "-m", "compat_server.cli", "serve", "--vllm-max-loras", "0"],
                           capture_output=True, text=True, check=False,
                           env={**os.environ, "COMPAT_SERVER_MAX_LORA_RANK": "100", "COMPAT_SERVER_SAMPLER_DTYPE": "fp8"})
     assert done.returncode == 2

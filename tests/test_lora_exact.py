@@ -1,5 +1,5 @@
-"""The trainer's own LoRA execution (``adapters.lora.layers``: rows grouped by adapter) against PEFT, computed independently in
-the test: every loss's value, logprobs and gradient for adapters of different ranks and target layers in one mixed
+"""The trainer's own LoRA execution (``adapters.lora.layers``: rows grouped by adapter) against PEFT, computed independently
+in the test: every loss's value, logprobs and gradient for adapters of different ranks and target layers in one mixed
 batch; logprobs scored in chunks equal to scored at once, gradients included; and a checkpoint written by PEFT
 itself loads and scores as PEFT scores it."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import adapters.trainer.actor as trainer_module
+import adapters.trainer.forward as forward_module
 from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
 from shims.losses import LOSSES, datum_loss, resolve_config
 from shims.tinker.training_wire import DatumArrays
@@ -99,7 +99,7 @@ def test_logprobs_scored_in_chunks_equal_scored_at_once(trained, monkeypatch):
         return result.outputs[0]["logprobs"], grads
 
     whole, whole_grads = run()
-    monkeypatch.setattr(trainer_module, "LOGITS_CHUNK_ELEMENTS", trainer.facts.vocab_size * 4)  # 6 chunks
+    monkeypatch.setattr(forward_module, "LOGITS_CHUNK_ELEMENTS", trainer.facts.vocab_size * 4)  # 6 chunks
     chunked, chunked_grads = run()
     np.testing.assert_allclose(chunked, whole, atol=1e-6)
     for got, want in zip(chunked_grads, whole_grads, strict=True):

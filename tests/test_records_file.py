@@ -30,24 +30,24 @@ def test_schema_1_checkpoints_get_an_identity_and_a_save_directory_and_old_sessi
 
     records = Records(tmp_path / "records.sqlite3")
     store = CheckpointStore(tmp_path / "checkpoints")
-    assert store.adopt_unversioned(records.all_checkpoints()) == 1
-    assert store.adopt_unversioned(records.all_checkpoints()) == 0  # a second start moves nothing
+    assert store.adopt_unversioned(records.checkpoints.all_checkpoints()) == 1
+    assert store.adopt_unversioned(records.checkpoints.all_checkpoints()) == 0  # a second start moves nothing
 
-    assert sorted(row["version"] for row in records.db["schema_version"].rows) == [1, SCHEMA_VERSION]
+    assert sorted(row["version"] for row in records.file.db["schema_version"].rows) == [1, SCHEMA_VERSION]
     row, directory = store.readable(records, "bob", PATH)
     assert row["uid"] and directory == legacy / row["uid"]
     assert (directory / "adapter_config.json").read_text() == "{}"
-    assert records.sampler("s:sample:0", "bob")["checkpoint_uid"] is None  # refused at its next use
+    assert records.samplers.sampler("s:sample:0", "bob")["checkpoint_uid"] is None  # refused at its next use
 
 
 def test_a_damaged_records_file_is_refused_at_start_with_how_to_recover(tmp_path):
     path = tmp_path / "data" / "records.sqlite3"
     records = Records(path)
     for i in range(300):  # a few dozen pages
-        records.create_session(f"session-{i}", "owner", tags=["t" * 50], user_metadata={"k": "v" * 100},
-                               sdk_version="0", project_id=None)
-    records.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    records.db.conn.close()
+        records.runs.create_session(f"session-{i}", "owner", tags=["t" * 50], user_metadata={"k": "v" * 100},
+                                    sdk_version="0", project_id=None)
+    records.file.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    records.file.db.conn.close()
     with open(path, "r+b") as handle:  # scribble over the headers of some b-tree pages, as a bad disk might
         for page in (3, 5, 8):
             handle.seek(4096 * page)
@@ -56,7 +56,7 @@ def test_a_damaged_records_file_is_refused_at_start_with_how_to_recover(tmp_path
     data_dir = str(path.parent)
     for command in (["serve", "--host", "127.0.0.1", "--port", "1", "--data-dir", data_dir],
                     ["keys", "--data-dir", data_dir, "list"]):
-        done = subprocess.run([sys.executable, "-m", "compat_server.cli.main", *command],
+        done = subprocess.run([sys.executable, "-m", "compat_server.cli", *command],
                               capture_output=True, text=True, timeout=120, check=False)
         said = done.stdout + done.stderr
         assert done.returncode == 2, said

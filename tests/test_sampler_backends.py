@@ -104,8 +104,8 @@ def test_adapter_logprobs_match_peft_reference(make_sampler, adapters, tiny_mode
 
 def test_mixed_adapter_batch_equals_separate_requests(make_sampler, adapters):
     """Concurrent requests with prompt logprobs, of different prompt lengths and adapters (one with LoRA on lm_head):
-    the batch crashed vLLM's engine before ``adapters.samplers.vllm.patches`` (its prompt logits took the batch's per-request
-    LoRA mapping), and must give each request what it gets alone."""
+    the batch crashed vLLM's engine before ``adapters.samplers.vllm.patches`` (its prompt logits took the batch's
+    per-request LoRA mapping), and must give each request what it gets alone."""
     sampler = make_sampler()
     if make_sampler.backend == "vllm":  # the corrections are in place in vLLM's worker process
         assert run(sampler.engine.collective_rpc("compat_server_corrections")) == [
@@ -138,7 +138,8 @@ def test_mixed_adapter_batch_equals_separate_requests(make_sampler, adapters):
 
 def test_base_rows_stay_base_once_every_adapter_slot_has_been_used(make_sampler, adapters):
     """vLLM's CPU ops read "no adapter" (-1) as the last adapter slot: once every slot had held an adapter, base
-    requests batched beside adapter requests were sampled with that adapter (fixed in ``adapters.samplers.vllm.patches``)."""
+    requests batched beside adapter requests were sampled with that adapter (fixed in
+    ``adapters.samplers.vllm.patches``)."""
     sampler = make_sampler()
     prompts = [PROMPT[: 2 + i % 5] for i in range(12)]
     base_alone = [run(sampler.sample(None, scoring_job_for(p))) for p in prompts[::2]]

@@ -100,13 +100,13 @@ def test_a_resubmitted_turn_gets_the_same_future_and_a_used_turn_is_refused(hub)
 
 def test_futures_left_pending_by_a_previous_process_fail_as_server_errors(tmp_path):
     records = Records(tmp_path / "r.sqlite3")
-    records.create_future("req-1", owner="o", model_id="m", seq_id=1, kind="k", idempotency_key=None)
-    records.create_model("m", session_id="s", owner="o", base_model="b", lora={"rank": 4}, user_metadata=None)
+    records.futures.create_future("req-1", owner="o", model_id="m", seq_id=1, kind="k", idempotency_key=None)
+    records.runs.create_model("m", session_id="s", owner="o", base_model="b", lora={"rank": 4}, user_metadata=None)
     restarted = Records(tmp_path / "r.sqlite3")
-    assert restarted.recover_after_restart() == (1, 1)
-    row = restarted.future("req-1", "o")
+    assert restarted.runs.recover_after_restart() == (1, 1)
+    row = restarted.futures.future("req-1", "o")
     assert (row["state"], row["category"]) == ("failed", "server") and "restarted" in row["error"]
-    assert restarted.model("m", "o")["status"].startswith("unloaded")
+    assert restarted.runs.model("m", "o")["status"].startswith("unloaded")
 
 
 def test_user_and_server_errors_are_categorised_and_isolated_by_owner(hub):
@@ -131,10 +131,10 @@ def test_user_and_server_errors_are_categorised_and_isolated_by_owner(hub):
 
 def test_records_use_wal_and_carry_a_schema_version(tmp_path):
     records = Records(tmp_path / "r.sqlite3")
-    assert records.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert [row["version"] for row in records.db["schema_version"].rows] == [SCHEMA_VERSION]
+    assert records.file.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert [row["version"] for row in records.file.db["schema_version"].rows] == [SCHEMA_VERSION]
     Records(tmp_path / "r.sqlite3")  # reopening an existing database keeps one version row
-    assert records.db["schema_version"].count == 1
+    assert records.file.db["schema_version"].count == 1
 
 
 def test_a_turn_far_ahead_runs_after_the_gap_and_late_skipped_turns_run_once(hub):

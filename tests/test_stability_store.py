@@ -1,4 +1,5 @@
-"""compat_server.sampling.stability over a real SQLite file: session scoping, expiry after the TTL, and use restarting it."""
+"""compat_server.sampling.stability over a real SQLite file: session scoping, expiry after the TTL, and use restarting
+it."""
 
 from __future__ import annotations
 
@@ -42,5 +43,5 @@ def test_records_are_session_scoped_expire_and_are_kept_alive_by_use(tmp_path):
     with pytest.raises(UserError, match="expired"):
         store.attach("owner", "session-a", "stable_reinforce", [datum("a:1")])
     store.record("owner", "session-a", ["a:2"], [5], [([1], [-1.0])])  # recording purges what expired
-    assert records.recorded_sequence("a:1", "owner") is None
-    assert records.recorded_sequence("a:0", "owner") is not None
+    assert records.samplers.recorded_sequence("a:1", "owner") is None
+    assert records.samplers.recorded_sequence("a:0", "owner") is not None

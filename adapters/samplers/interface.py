@@ -1,9 +1,10 @@
 """The one small interface every sampler backend implements, and what crosses it.
 
 A backend holds one base model and serves sampling requests for it and for any LoRA adapter saved for sampling,
-loading adapters on demand from their checkpoint directory and keeping a bounded number resident. Backends:
-``adapters.samplers.hf.sampler.TransformersSampler`` (CPU default, GPU fallback) and ``adapters.samplers.vllm.sampler.VLLMSampler``
-(GPU, ``[gpu]`` extra). ``adapters.samplers.pool`` runs them as Ray actors.
+loading adapters on demand from their checkpoint directory and keeping a bounded number resident. Backends, each a
+subclass of ``SamplerBackend``: ``adapters.samplers.hf.sampler.TransformersSampler`` (CPU default, GPU fallback) and
+``adapters.samplers.vllm.sampler.VLLMSampler`` (GPU, ``[gpu]`` extra). ``adapters.samplers.pool`` runs them as Ray
+actors and knows them only through ``SamplerBackend``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class Restarting(RuntimeError):
 @dataclass(frozen=True)
 class AdapterRef:
     """Which LoRA weights to sample from. ``key`` names the weights (a sampler checkpoint's tinker:// path, or an
-    ephemeral save's id); ``version`` grows when the weights behind a key change (``inflight`` sampling clients share
-    one mutable key), and a resident adapter with an older version is reloaded."""
+    ephemeral save's id): an opaque name, which backends compare and show but never look inside. ``version`` grows
+    when the weights behind a key change (``inflight`` sampling clients share one mutable key), and a resident adapter
+    with an older version is reloaded."""
 
     key: str
     directory: str
@@ -47,6 +49,9 @@ class SamplerFacts:
 
 
 class SamplerBackend(Protocol):
+    """What a sampler backend offers the pool. Backends subclass it, so a type checker holds each to it (and
+    ``tests/test_sampler_interface.py`` checks their signatures match)."""
+
     dead: str | None
     """Why the backend can no longer serve (its actor is then replaced), or None."""
 

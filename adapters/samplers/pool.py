@@ -17,7 +17,7 @@ import ray
 from adapters.actors import ActorRestarting, ActorUnavailable, call_actor, ray_node, stream_actor
 from adapters.logs import configure_logging
 from adapters.models.resolve import BaseModelSpec
-from adapters.samplers.interface import AdapterRef, Restarting, SamplerFacts
+from adapters.samplers.interface import AdapterRef, Restarting, SamplerBackend, SamplerFacts
 from adapters.samplers.vllm.options import VLLMOptions
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
 
@@ -53,20 +53,7 @@ class SamplerActor:
 
     def __init__(self, location: str, placement: SamplerPlacement) -> None:
         configure_logging()
-        p = placement
-        if p.backend == "vllm":
-            from adapters.samplers.vllm.sampler import VLLMSampler
-
-            self.impl = VLLMSampler(location, max_resident=p.max_resident, dtype=p.dtype,
-                                    max_model_len=p.max_model_len, options=p.vllm, on_engine_dead=_exit_soon,
-                                    disable_any_whitespace=p.disable_any_whitespace)
-        else:
-            from adapters.samplers.hf.sampler import TransformersSampler
-
-            self.impl = TransformersSampler(location, max_batch_sequences=p.max_batch_sequences,
-                                            max_resident=p.max_resident, threads=p.threads, dtype=p.dtype,
-                                            max_model_len=p.max_model_len,
-                                            disable_any_whitespace=p.disable_any_whitespace)
+        self.impl: SamplerBackend = make_backend(location, placement)
 
     def facts(self) -> SamplerFacts:
         return self.impl.facts()
@@ -109,6 +96,22 @@ class SamplerActor:
             if not task.done():  # the consumer went away: stop sampling for it
                 task.cancel()
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody waits for
+
+
+def make_backend(location: str, placement: SamplerPlacement) -> SamplerBackend:
+    """The backend ``placement`` names, holding the model at ``location`` (imported only when chosen: vLLM's
+    package is optional)."""
+    p = placement
+    if p.backend == "vllm":
+        from adapters.samplers.vllm.sampler import VLLMSampler
+
+        return VLLMSampler(location, max_resident=p.max_resident, dtype=p.dtype, max_model_len=p.max_model_len,
+                           options=p.vllm, on_engine_dead=_exit_soon, disable_any_whitespace=p.disable_any_whitespace)
+    from adapters.samplers.hf.sampler import TransformersSampler
+
+    return TransformersSampler(location, max_batch_sequences=p.max_batch_sequences, max_resident=p.max_resident,
+                               threads=p.threads, dtype=p.dtype, max_model_len=p.max_model_len,
+                               disable_any_whitespace=p.disable_any_whitespace)
 
 
 def _exit_soon(delay: float = 1.0) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,19 +13,19 @@ from adapters.disk import writing
 from adapters.lora import files as adapter_files
 from adapters.lora.files import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE, lora_key
 from adapters.trainer.interface import LORA_ALPHA, LoraSpec, read_lora_spec
+from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
 
-if TYPE_CHECKING:
-    from adapters.lora.layers import LoRALinear
 
-class TrainerFiles:
-    """Checkpoint methods of ``MultiLoRATrainer`` (which provides the attributes declared here)."""
+class CheckpointFiles:
+    """Writes the table's runs to checkpoint directories and reads them back, for ``MultiLoRATrainer``."""
 
-    location: str
-    device: torch.device
-    tied: bool
-    layers: dict[str, LoRALinear]
-    adapters: dict
+    def __init__(self, table: AdapterTable, location: str, tied: bool) -> None:
+        self.table = table
+        self.location = location
+        """The base model's directory, named in each adapter's ``adapter_config.json``."""
+        self.tied = tied
+        """One matrix embeds and unembeds: a stored unembedding LoRA also names its input side."""
 
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory (adapter_config.json + adapter_model.safetensors) that any
@@ -40,14 +39,14 @@ class TrainerFiles:
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
         """An adapter's LoRA matrices under PEFT's names, on the CPU."""
         return {lora_key(path, x): params[name].detach().cpu()
-                for path, layer in self.layers.items() if name in layer.scaling
+                for path, layer in self.table.layers.items() if name in layer.scaling
                 for x, params in (("A", layer.lora_a), ("B", layer.lora_b))}
 
     def _write_adapter(self, model_id: str, out: Path, export: bool) -> None:
         from peft import LoraConfig
         from safetensors.torch import save_file
 
-        adapter = self._get(model_id)
+        adapter = self.table.get_run(model_id)
         state = self._tensors(adapter.name)
         if export:
             state = adapter_files.exported(state)
@@ -63,7 +62,7 @@ class TrainerFiles:
 
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
-        adapter = self._get(model_id)
+        adapter = self.table.get_run(model_id)
         self.save_for_sampler(model_id, directory)
         with writing(Path(directory)):
             torch.save(adapter.optimizer.state_dict(), Path(directory) / OPTIMIZER_STATE)
@@ -75,38 +74,40 @@ class TrainerFiles:
 
         Without the optimizer the adapter gets fresh AdamW moments, as Tinker's ``load_state`` does.
         """
-        from safetensors.torch import load_file
-
         src = Path(directory)
         spec = read_lora_spec(src)
-        if not with_optimizer and model_id in self.adapters:  # weights only: the run keeps its optimizer family
-            spec = replace(spec, optimizer=self.adapters[model_id].spec.optimizer)
+        if not with_optimizer and model_id in self.table:  # weights only: the run keeps its optimizer family
+            spec = replace(spec, optimizer=self.table[model_id].spec.optimizer)
         if with_optimizer and not (src / OPTIMIZER_STATE).exists():
             raise UserError("this checkpoint has no optimizer state (sampler weights); load it without the optimizer")
-        staging_id = f"{model_id}#loading"  # built beside the current adapter, swapped in only once complete
-        self.create(staging_id, spec)
-        staged = self.adapters[staging_id]
+        # Built beside the run's current adapter, swapped in only once complete.
+        self.table.install(model_id, self.staged(src, spec, with_optimizer))
+        return spec
+
+    def staged(self, src: Path, spec: LoraSpec, with_optimizer: bool) -> Adapter:
+        """A temporary adapter holding the checkpoint in ``src`` (laid out as ``spec``), and its optimizer state and
+        step if ``with_optimizer``. A checkpoint that cannot be read is a ``UserError`` and leaves nothing behind."""
+        from safetensors.torch import load_file
+
+        staged = self.table.temporary(spec)
         try:
             self._fill(staged.name, adapter_files.for_loading(load_file(str(src / ADAPTER_WEIGHTS))))
             if with_optimizer:
-                staged.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.device))
+                staged.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.table.device))
                 staged.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
         except UserError:
-            self.unload(staging_id)
+            self.table.discard(staged)
             raise
         except Exception as exc:  # noqa: BLE001 - whatever a bad checkpoint raises, it is the caller's to fix
-            self.unload(staging_id)
+            self.table.discard(staged)
             raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
-        if model_id in self.adapters:
-            self.unload(model_id)
-        self.adapters[model_id] = self.adapters.pop(staging_id)
-        return spec
+        return staged
 
     def _fill(self, name: str, state: dict[str, torch.Tensor]) -> None:
         """Copy a saved adapter's matrices into adapter ``name``, which has the layout the checkpoint states."""
         missing = []
         with torch.no_grad():
-            for path, layer in self.layers.items():
+            for path, layer in self.table.layers.items():
                 if name not in layer.scaling:
                     continue
                 for x, param in (("A", layer.lora_a[name]), ("B", layer.lora_b[name])):

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import astuple
-from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.adam import adam
 
 from adapters.trainer.interface import OPTIMIZERS, AdamHyper, DimuonHyper, OptimRequest
+from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
 
-if TYPE_CHECKING:
-    from adapters.trainer.actor import _Adapter
 
+class Optimizers:
+    """The optimizer steps of the table's runs, for ``MultiLoRATrainer``."""
 
-class TrainerOptim:
-    """Mixin of ``MultiLoRATrainer``: needs ``_get(model_id) -> _Adapter``."""
+    def __init__(self, table: AdapterTable) -> None:
+        self.table = table
 
     def optim_step(self, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
         """Apply the accumulated gradient with the run's optimizer (AdamW with decoupled weight decay, or Dimuon),
@@ -39,8 +39,8 @@ class TrainerOptim:
         """Several runs' optim steps (each run at most once); one outcome per request, in order: its metrics, or the
         ``UserError`` that request alone gets (the others still step)."""
         outcomes: list[dict[str, float] | UserError] = []
-        together: dict[tuple, list[_Adapter]] = {}
-        stepped: dict[str, tuple[_Adapter, dict[str, float]]] = {}
+        together: dict[tuple, list[Adapter]] = {}
+        stepped: dict[str, tuple[Adapter, dict[str, float]]] = {}
         for request in requests:
             try:
                 if request.model_id in stepped:  # the scheduler sends one request per run at a time; never step twice
@@ -67,12 +67,12 @@ class TrainerOptim:
             metrics["step"] = float(adapter.step)
         return outcomes
 
-    def _clipped(self, request: OptimRequest) -> tuple[_Adapter, float]:
+    def _clipped(self, request: OptimRequest) -> tuple[Adapter, float]:
         """The run, after checking the request and clipping its gradient; and the gradient's norm before clipping.
         A non-finite gradient is discarded."""
         hyper = request.hyper
         hyper.validate()
-        adapter = self._get(request.model_id)  # type: ignore[attr-defined]
+        adapter = self.table.get_run(request.model_id)
         if not isinstance(hyper, OPTIMIZERS[adapter.spec.optimizer]):
             raise UserError(f"this training run uses the {adapter.spec.optimizer} optimizer (chosen when it was "
                             f"created): send {'AdamParams' if adapter.spec.optimizer == 'adamw' else 'DimuonParams'}")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import ray
 
@@ -17,6 +18,9 @@ from adapters.trainer.interface import AdamHyper, DimuonHyper, OptimRequest
 from shims.errors import UserError
 
 log = logging.getLogger("compat_server.trainer")
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ class TrainerPool:
             counts["max_requests_per_batch"] = max(counts["max_requests_per_batch"], steps)
             counts["optim_steps"] += len(requests) - steps
             counts["optim_calls"] += len(requests) > steps
-            return await self.call(base_model, "run_batch", requests)
+            return await self.call(base_model, MultiLoRATrainer.run_batch, requests)
         return run
 
     def _admit(self, pending: list[StepRequest | OptimRequest]) -> int:
@@ -112,11 +116,15 @@ class TrainerPool:
         """Apply one run's accumulated gradient, together with whatever other runs' requests are waiting."""
         return await self.batches[base_model].submit(OptimRequest(model_id, hyper))  # type: ignore[return-value]
 
-    async def call(self, base_model: str, method: str, *args, **kwargs):
-        """Run ``method`` on the base model's trainer; a ``UserError`` raised there is re-raised here as itself. If
-        the trainer died, the call fails as a server error and a restart check starts at once."""
+    async def call(self, base_model: str, method: Callable[Concatenate[MultiLoRATrainer, P], R], *args: P.args,
+                   **kwargs: P.kwargs) -> R:
+        """Run ``method`` (a ``MultiLoRATrainer`` method: ``MultiLoRATrainer.save_state``, not a name, so arguments
+        are type-checked and a renamed method fails where it is named) on the base model's trainer; a ``UserError``
+        raised there is re-raised here as itself. If the trainer died, the call fails as a server error and a
+        restart check starts at once. Callers other than this pool use ``compat_server.jobs.trainer_client``."""
         try:
-            return await call_actor(self.actors[base_model], method, f"trainer for {base_model}", *args, **kwargs)
+            return await call_actor(self.actors[base_model], method.__name__, f"trainer for {base_model}", *args,
+                                    **kwargs)
         except ActorUnavailable:
             self._check_soon(base_model)
             raise
@@ -130,7 +138,8 @@ class TrainerPool:
         """Ask the trainer who it is (waiting while Ray restarts it); a new process is reported to ``on_restart``."""
         while True:
             try:
-                facts = await call_actor(self.actors[base_model], "model_facts", f"trainer for {base_model}")
+                facts = await call_actor(self.actors[base_model], MultiLoRATrainer.model_facts.__name__,
+                                         f"trainer for {base_model}")
                 break
             except ActorUnavailable:
                 await asyncio.sleep(1.0)

@@ -67,8 +67,8 @@ async def provide_owner(request: ASGIConnection) -> str:
         raise NotAuthorizedException("missing API key: send X-API-Key (tinker) or Authorization: Bearer (OpenAI)")
     else:
         raise NotAuthorizedException(f"invalid API key: keys start with {KEY_PREFIX!r}")
-    if not open_auth and not services.records.key_active(owner):
+    if not open_auth and not services.records.tenants.key_active(owner):
         raise NotAuthorizedException("unknown or revoked API key: this server accepts only keys created with "
                                      "`compat-server keys create`")
-    services.records.note_key_use(owner)
+    services.records.account.note_key_use(owner)
     return owner

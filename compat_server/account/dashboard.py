@@ -17,21 +17,21 @@ def loss_of(metrics: dict[str, float]) -> float | None:
 
 
 async def dashboard(records: Records, sampling: SamplingService, owner: str) -> dict:
-    runs, _ = records.models_page(owner, limit=RECENT, offset=0)
-    checkpoints, total_checkpoints = records.user_checkpoints(owner, limit=RECENT, offset=0)
-    admin = records.is_admin(owner)
+    runs, _ = records.runs.models_page(owner, limit=RECENT, offset=0)
+    checkpoints, total_checkpoints = records.checkpoints.user_checkpoints(owner, limit=RECENT, offset=0)
+    admin = records.tenants.is_admin(owner)
     pool = await sampling.metrics(None if admin else owner)
     return {
         "sessions": [{"id": s["id"], "created": s["created"], "last_heartbeat": s["last_heartbeat"],
                       "finished": s["finished"], "finish_reason": s["finish_reason"]}
-                     for s in records.recent_sessions(owner, RECENT)],
+                     for s in records.runs.recent_sessions(owner, RECENT)],
         "training_runs": [{
             "id": run["id"], "base_model": run["base_model"], "lora_rank": run["lora_rank"], "status": run["status"],
             "created": run["created"], "rolled_back": run["rolled_back"],
             "steps": [{"seq_id": step["seq_id"], "kind": step["kind"], "loss_fn": step["loss_fn"],
                        "loss": loss_of(step["metrics"]), "tokens": step["num_tokens"],
                        "tokens_per_s": step["tokens_per_s"], "time": step["created"]}
-                      for step in records.steps(run["id"], "forward_backward", STEPS_PER_RUN)],
+                      for step in records.runs.steps(run["id"], "forward_backward", STEPS_PER_RUN)],
         } for run in runs],
         "checkpoints": {"total": total_checkpoints, "latest": [
             {"tinker_path": c["tinker_path"], "kind": c["kind"], "size_bytes": c["size_bytes"],
@@ -42,5 +42,5 @@ async def dashboard(records: Records, sampling: SamplingService, owner: str) -> 
                             **({"replicas": [{"in_flight": r["in_flight"], "resident_adapters": r["resident_adapters"]}
                                              for r in stats["replicas"]]} if admin else {})}
                      for name, stats in pool.items()},
-        "recent_errors": records.recent_failures(owner, RECENT),
+        "recent_errors": records.futures.recent_failures(owner, RECENT),
     }

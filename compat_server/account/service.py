@@ -53,7 +53,8 @@ class AccountService:
             raise UserError(f"event_type must be all, checkpoints, projects, teams or organizations, not {event_type!r}")
         start = datetime.combine(day or datetime.now(UTC).date(), datetime.min.time(), UTC)
         prefix = None if event_type == "all" else AUDITED_RESOURCES.get(event_type, f"{event_type}_")
-        entries = self.records.audit_entries(owner, start.isoformat(), (start + timedelta(days=1)).isoformat(), prefix)
+        entries = self.records.account.audit_entries(owner, start.isoformat(),
+                                                     (start + timedelta(days=1)).isoformat(), prefix)
         return types.AuditLogResponse(entries=[types.AuditLogEntry(
             timestamp=row["at"], event=row["event"], event_details=row["details"],
             model_id=row["details"].get("model_id") if row["event"].startswith("checkpoint_") else None,
@@ -62,7 +63,8 @@ class AccountService:
 
     def storage_usage(self, owner: str, project_id: str | None) -> types.CurrentCheckpointStorageUsageResponse:
         """Live checkpoints of the key grouped by project (as the SDK's type groups them); no prices: self-hosted."""
-        rows = [r for r in self.records.storage_by_project(owner) if project_id is None or r["project_id"] == project_id]
+        rows = [r for r in self.records.account.storage_by_project(owner)
+                if project_id is None or r["project_id"] == project_id]
         return types.CurrentCheckpointStorageUsageResponse(data=[types.CurrentCheckpointStorageUsageItem(
             project_id=r["project_id"], checkpoint_count=r["checkpoint_count"], size_bytes=r["size_bytes"],
             size_gigabytes=r["size_bytes"] / 1e9) for r in rows])
@@ -81,15 +83,15 @@ class AccountService:
 
         events = [types.BillingUsageEvent(**bucket(r["hour"]), base_model=r["base_model"], session_id=r["session_id"],
                                           event_info=types.TrainingBillingEvent(token_count=r["tokens"] or 0))
-                  for r in self.records.training_tokens_by_hour(owner, *span)]
+                  for r in self.records.account.training_tokens_by_hour(owner, *span)]
         events += [types.BillingUsageEvent(**bucket(r["hour"]), base_model=r["base_model"],
                                            event_info=types.CheckpointBillingEvent(count=r["count"]))
-                   for r in self.records.checkpoints_by_hour(owner, *span)]
+                   for r in self.records.account.checkpoints_by_hour(owner, *span)]
         return types.BillingUsageResponse(data=sorted(events, key=lambda e: e.bucket_start))
 
     # ---- sessions ------------------------------------------------------------------------------------------------------
     def _session(self, owner: str, session_id: str) -> dict:
-        row = self.records.session(session_id, owner)
+        row = self.records.runs.session(session_id, owner)
         if row is None:
             raise NotFound(f"session {session_id!r} not found")
         return row
@@ -98,8 +100,8 @@ class AccountService:
         if not isinstance(project_id, str) or not project_id:
             raise UserError("assigning a project needs {\"project_id\": \"…\"}")
         self._session(owner, session_id)
-        self.records.set_session_project(session_id, project_id)
-        self.records.audit(owner, "project_session_assign", session_id=session_id, project_id=project_id)
+        self.records.account.set_session_project(session_id, project_id)
+        self.records.account.audit(owner, "project_session_assign", session_id=session_id, project_id=project_id)
 
     def search_sessions(self, owner: str, req: types.SessionSearchRequest) -> types.SessionSearchResponse:
         """The key's own sessions only (``owner`` other than "own" matches the key's own too: a key sees no one
@@ -111,7 +113,7 @@ class AccountService:
         words = (req.display_name or "").lower().split()
         found: list[dict] = []
         while len(found) < req.limit + 1:
-            rows = self.records.search_sessions(owner, before=before, limit=500)
+            rows = self.records.account.search_sessions(owner, before=before, limit=500)
             if not rows:
                 break
             for row in rows:
@@ -137,7 +139,7 @@ class AccountService:
         return _status_matches(_session_status(row), req.statuses)
 
     def _summary(self, row: dict) -> types.SessionSummary:
-        count, size = self.records.session_storage(row["id"])
+        count, size = self.records.account.session_storage(row["id"])
         return types.SessionSummary(
             session_id=row["id"], created_at=row["created"], owner=f"key:{row['owner'][:16]}",
             project_id=row["project_id"] or "default", status=_session_status(row), checkpoints_count=count,
@@ -152,18 +154,18 @@ class AccountService:
     def trace_url(self, owner: str, session_id: str, base_url: str) -> str:
         """A signed URL of the session's trace, like checkpoint download URLs (no API key needed until it expires)."""
         self._session(owner, session_id)
-        self.records.audit(owner, "session_trace_export", session_id=session_id)
+        self.records.account.audit(owner, "session_trace_export", session_id=session_id)
         _, query = self.signer.sign(self._trace_grant(session_id, owner), "trace.json")
         return f"{base_url.rstrip('/')}/api/v1/sessions/{session_id}/trace.json?{query}"
 
     def trace(self, session_id: str, grantee: str, expires: int, signature: str) -> dict:
         """The session's requests as a Chrome/Perfetto JSON trace: one complete slice per request, one track per
         training run or sampling client. Re-checked at download: the URL's key must still own the session."""
-        owner = self.records.session_owner(session_id)
+        owner = self.records.account.session_owner(session_id)
         if owner is None or self.signer.grantee(owner) != grantee or not self.signer.valid(
                 self._trace_grant(session_id, owner), "trace.json", expires, signature):
             raise NotFound("this trace URL is invalid or has expired; export the trace again")
-        requests = self.records.session_requests(session_id, owner, MAX_TRACE_REQUESTS)
+        requests = self.records.account.session_requests(session_id, owner, MAX_TRACE_REQUESTS)
         lanes = {lane: index + 1 for index, lane in enumerate(dict.fromkeys(r["lane"] or "other" for r in requests))}
         events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"session {session_id}"}}]
         events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
@@ -178,12 +180,12 @@ class AccountService:
 
     # ---- the key itself ------------------------------------------------------------------------------------------------
     def token(self, owner: str, tokens: TokenIssuer) -> str:
-        row = self.records.key_of(owner)
+        row = self.records.tenants.key_of(owner)
         return tokens.issue(owner, row["name"] if row else "open-auth-key")
 
     def key_info(self, owner: str, auth_mode: str) -> dict:
         """``tinker auth login`` checks a pasted key with this (the CLI's ``SelfApiKeyResponse``)."""
-        row = self.records.key_of(owner)
+        row = self.records.tenants.key_of(owner)
         anonymous = owner == owner_of(ANONYMOUS)
         name = row["name"] if row else "anonymous" if anonymous else "open-auth key"
         key_id = int(row["id"], 16) if row else int(owner[:12], 16)
@@ -195,8 +197,8 @@ class AccountService:
 
     def revoke_own_key(self, owner: str) -> None:
         """``tinker auth logout``: the key revokes itself (and nothing else)."""
-        row = self.records.key_of(owner)
+        row = self.records.tenants.key_of(owner)
         if row is None:
             raise UserError("this server runs with --auth open: keys are not registered, so there is nothing to revoke")
-        self.records.revoke_key(row["id"])
-        self.records.audit(owner, "apikey_revoke", name=row["name"])
+        self.records.tenants.revoke_key(row["id"])
+        self.records.account.audit(owner, "apikey_revoke", name=row["name"])

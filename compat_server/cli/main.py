@@ -60,18 +60,18 @@ def manage_keys(args: argparse.Namespace) -> int:
     if args.action == "create":
         key = new_key()
         try:
-            records.add_key(secrets.token_hex(6), args.name, owner_of(key), admin=args.admin)
+            records.tenants.add_key(secrets.token_hex(6), args.name, owner_of(key), admin=args.admin)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print(key)
         print(f"key {args.name!r} created; it is shown only this once", file=sys.stderr)
     elif args.action == "list":
-        for row in records.api_keys():
+        for row in records.tenants.api_keys():
             state = f"revoked {row['revoked']}" if row["revoked"] else "active"
             print(f"{row['name']}\t{row['id']}\tcreated {row['created']}\t{'admin' if row['admin'] else 'tenant'}\t"
                   f"{state}")
-    elif not records.revoke_key(args.key):
+    elif not records.tenants.revoke_key(args.key):
         print(f"error: no active key named or with id {args.key!r}", file=sys.stderr)
         return 1
     else:

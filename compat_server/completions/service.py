@@ -181,7 +181,7 @@ class CompletionsService:
         data = [{"id": name, "object": "model", "created": self.started, "owned_by": "compat-server",
                  "root": name, "parent": None, "max_model_len": self.sampling.limits[name].max_context}
                 for name in self.base_models]
-        for row in self.records.sampler_checkpoints(owner):
+        for row in self.records.checkpoints.sampler_checkpoints(owner):
             if row["base_model"] in self.base_models:
                 data.append({"id": row["tinker_path"], "object": "model", "created": _unix(row["created"]),
                              "owned_by": "you" if row["owner"] == owner else "published",

@@ -112,14 +112,14 @@ class FutureHub:
         Returns ``(request_id, created)``.
         """
         if idempotency_key:
-            existing = self.records.future_by_idempotency_key(owner, idempotency_key)
+            existing = self.records.futures.future_by_idempotency_key(owner, idempotency_key)
             if existing is not None:
                 return existing["request_id"], False
         request_id = f"req-{uuid.uuid4().hex}"
         self.quota.acquire(owner)  # released when the future finishes (``_wake``)
         try:
-            self.records.create_future(request_id, owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
-                                       idempotency_key=idempotency_key, poll_group=poll_group)
+            self.records.futures.create_future(request_id, owner=owner, model_id=model_id, seq_id=seq_id, kind=kind,
+                                               idempotency_key=idempotency_key, poll_group=poll_group)
         except BaseException:
             self.quota.release(owner)
             raise
@@ -130,11 +130,11 @@ class FutureHub:
         return request_id, True
 
     def complete(self, request_id: str, payload: Payload) -> None:
-        self.records.finish_future(request_id, media_type=payload.media_type, result=payload.body)
+        self.records.futures.finish_future(request_id, media_type=payload.media_type, result=payload.body)
         self._wake(request_id, {"state": "complete"})
 
     def fail(self, request_id: str, message: str, category: str) -> None:
-        self.records.fail_future(request_id, error=message, category=category)
+        self.records.futures.fail_future(request_id, error=message, category=category)
         self._wake(request_id, {"state": "failed", "category": category})
 
     def _wake(self, request_id: str, outcome: dict[str, str]) -> None:
@@ -157,11 +157,11 @@ class FutureHub:
     async def wait(self, request_id: str, owner: str, hold_seconds: float) -> dict | None:
         """The future's record once it is finished, waiting up to ``hold_seconds``; None if it is unknown."""
         started = time.perf_counter()
-        row = self.records.future(request_id, owner)
+        row = self.records.futures.future(request_id, owner)
         held = row is not None and row["state"] == "pending"
         if held:
             await _hold(self._events.setdefault(request_id, asyncio.Event()), hold_seconds)
-            row = self.records.future(request_id, owner)
+            row = self.records.futures.future(request_id, owner)
         for windows in (self.windows, self._key_windows(owner)):
             windows.retrieve_future.add(time.perf_counter() - started, held)
         return row
@@ -171,11 +171,11 @@ class FutureHub:
         """The group's futures finished after ``cursor`` (``retrieve_futures``), waiting up to ``hold_seconds`` for
         one if there are none yet: one long poll stands for every pending sample of a sampling client."""
         started = time.perf_counter()
-        finished = self.records.completions_after(owner, poll_group, cursor, limit)
+        finished = self.records.futures.completions_after(owner, poll_group, cursor, limit)
         held = not finished and hold_seconds > 0
         if held:
             await _hold(self._groups.setdefault(poll_group, asyncio.Event()), hold_seconds)
-            finished = self.records.completions_after(owner, poll_group, cursor, limit)
+            finished = self.records.futures.completions_after(owner, poll_group, cursor, limit)
         for windows in (self.windows, self._key_windows(owner)):
             windows.retrieve_futures.add(time.perf_counter() - started, held)
         return finished

@@ -3,7 +3,7 @@
 The tinker SDK numbers each training client's requests 1, 2, 3, … and may deliver them out of order (a multi-chunk
 forward_backward sends its first chunk last). A model's lane holds later requests until the next expected one has
 arrived. If a number never arrives (a client died mid-submit), the lane moves on after ``gap_timeout`` seconds
-rather than stalling that model forever. This is also the one place that talks to the compute pools.
+rather than stalling that model forever. Jobs reach the trainers through ``trainer_for`` (a typed ``TrainerClient``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, StatusCode
 
-from adapters.trainer.interface import AdamHyper, DimuonHyper, StepRequest, StepResult
 from adapters.trainer.pool import TrainerPool
 from compat_server.jobs.futures import FutureHub, Payload
+from compat_server.jobs.trainer_client import TrainerClient
 from compat_server.telemetry import ids, tracer
 from shims.errors import UserError
 
@@ -69,6 +69,7 @@ class Scheduler:
     def __init__(self, hub: FutureHub, trainers: TrainerPool, gap_timeout: float) -> None:
         self.hub = hub
         self.trainers = trainers
+        self._trainer_clients: dict[str, TrainerClient] = {}
         self.gap_timeout = gap_timeout
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -174,18 +175,9 @@ class Scheduler:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def forward_backward(self, base_model: str, request: StepRequest) -> StepResult:
-        """A forward / forward_backward, batched with other runs' waiting requests on the same base model."""
-        with tracer.start_as_current_span("trainer.forward_backward", attributes=ids(request.model_id)):
-            return await self.trainers.forward_backward(base_model, request)
-
-    async def optim_step(self, base_model: str, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
-        """An optim_step, in one trainer call with other runs' waiting requests on the same base model."""
-        with tracer.start_as_current_span("trainer.optim_step", attributes=ids(model_id)):
-            return await self.trainers.optim_step(base_model, model_id, hyper)
-
-    async def trainer(self, base_model: str, method: str, *args, **kwargs):
-        """Call the base model's trainer actor."""
-        model_id = args[0] if args and isinstance(args[0], str) else None
-        with tracer.start_as_current_span(f"trainer.{method}", attributes=ids(model_id)):
-            return await self.trainers.call(base_model, method, *args, **kwargs)
+    def trainer_for(self, base_model: str) -> TrainerClient:
+        """The base model's trainer, one typed method per operation, each call traced."""
+        client = self._trainer_clients.get(base_model)
+        if client is None:
+            client = self._trainer_clients[base_model] = TrainerClient(self.trainers, base_model)
+        return client

@@ -7,17 +7,23 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from compat_server.records.base import LIVE, RecordsBase, now
+from compat_server.records.base import LIVE, RecordsFile, now
 
 AUDITED_RESOURCES = {"checkpoints": "checkpoint_", "projects": "project_"}
 """``get_audit_log(event_type=…)`` → the event-name prefix it selects; sessions, runs and key use show under "all"."""
 
 
-class AccountRecords(RecordsBase):
+class AccountRecords:
+    def __init__(self, file: RecordsFile) -> None:
+        self.file = file
+        self.db = file.db
+        self._key_days: set[tuple[str, str]] = set()
+        """(owner, UTC day) whose key use is already in the audit log."""
+
     # ---- audit log ------------------------------------------------------------------------------------------------
     def audit(self, owner: str, event: str, **details: Any) -> None:
         """Record one of ``owner``'s actions as ``<resource>_<action>`` with what it was about."""
-        self._insert("audit", {"owner": owner, "at": now(), "event": event, "details": json.dumps(details)})
+        self.file.insert("audit", {"owner": owner, "at": now(), "event": event, "details": json.dumps(details)})
 
     def note_key_use(self, owner: str) -> None:
         """``apikey_use``, once per key per UTC day (every request would flood the log)."""
@@ -41,7 +47,7 @@ class AccountRecords(RecordsBase):
         return None if row is None else row[0]
 
     def set_session_project(self, session_id: str, project_id: str) -> None:
-        self._update("sessions", session_id, {"project_id": project_id})
+        self.file.update("sessions", session_id, {"project_id": project_id})
 
     def search_sessions(self, owner: str, *, before: tuple[str, str] | None, limit: int) -> list[dict]:
         """The owner's sessions newest first, after the page cursor ``(created, id)``; filters are applied by the

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,8 +55,9 @@ def check_integrity(path: Path) -> None:
             f"{path.name}.recovered in its place.")
 
 
-class RecordsBase:
-    """The open database; the table groups (``Records``'s other bases) add typed accessors over it."""
+class RecordsFile:
+    """The open database, its schema, and the single-row helpers every group of tables (``Records``'s parts)
+    shares."""
 
     def __init__(self, path: Path) -> None:
         check_integrity(path)
@@ -65,13 +65,9 @@ class RecordsBase:
         self.db = sqlite_utils.Database(path)
         self.db.enable_wal()
         self.db.execute("PRAGMA synchronous=NORMAL")
-        self._completions: Iterator[int] | None = None
-        """Numbers finished futures in order (``RunRecords._next_completion``); seeded from the file on first use."""
-        self._key_days: set[tuple[str, str]] = set()
-        """(owner, UTC day) whose key use is already in the audit log."""
         self._create_schema()
         self._pks = {table.name: table.pks[0] for table in self.db.tables}
-        """Each table's primary-key column, read once from the schema (for ``_get`` and ``_update``)."""
+        """Each table's primary-key column, read once from the schema (for ``get`` and ``update``)."""
 
     def _create_schema(self) -> None:
         db = self.db
@@ -143,25 +139,25 @@ class RecordsBase:
     # ---- helpers --------------------------------------------------------------------------------------------------
     # Plain SQL for single rows: these run several times per training step, and sqlite-utils' table methods read the
     # schema (table_info, sqlite_master) on every call, which cost more than the statement itself.
-    def _get(self, table: str, pk: str) -> dict | None:
+    def get(self, table: str, pk: str) -> dict | None:
         """A row by primary key, or None."""
         cursor = self.db.conn.execute(f"SELECT * FROM [{table}] WHERE [{self._pks[table]}] = ?", [pk])
         row = cursor.fetchone()
         return None if row is None else dict(zip([c[0] for c in cursor.description], row, strict=True))
 
-    def _owned(self, table: str, pk: str, owner: str) -> dict | None:
+    def owned(self, table: str, pk: str, owner: str) -> dict | None:
         """A row by primary key, only if ``owner`` owns it: another tenant's rows look exactly like missing ones."""
-        row = self._get(table, pk)
+        row = self.get(table, pk)
         return row if row is not None and row["owner"] == owner else None
 
-    def _insert(self, table: str, row: dict[str, Any], replace: bool = False) -> None:
+    def insert(self, table: str, row: dict[str, Any], replace: bool = False) -> None:
         """Insert ``row`` (``replace``: over the row with the same primary key)."""
         columns = ", ".join(f"[{name}]" for name in row)
         with self.db.conn:
             self.db.conn.execute(f"INSERT {'OR REPLACE ' if replace else ''}INTO [{table}] ({columns}) "
                                  f"VALUES ({', '.join('?' * len(row))})", list(row.values()))
 
-    def _update(self, table: str, pk: str, values: dict[str, Any]) -> None:
+    def update(self, table: str, pk: str, values: dict[str, Any]) -> None:
         """Set ``values`` on the row with primary key ``pk`` (no row: nothing changes)."""
         assignments = ", ".join(f"[{name}] = ?" for name in values)
         with self.db.conn:

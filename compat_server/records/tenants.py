@@ -1,20 +1,21 @@
-"""API keys (``--auth keys``, operator keys) and the stability info recorded per key (stable_reinforce)."""
+"""API keys (``--auth keys``, operator keys): the tenants the server knows, by the hash of their key."""
 
 from __future__ import annotations
 
-import json
-
-from compat_server.records.base import RecordsBase, now
+from compat_server.records.base import RecordsFile, now
 
 
-class TenantRecords(RecordsBase):
-    # ---- API keys (--auth keys) ----------------------------------------------------------------------------------
+class TenantRecords:
+    def __init__(self, file: RecordsFile) -> None:
+        self.file = file
+        self.db = file.db
+
     def add_key(self, key_id: str, name: str, owner: str, admin: bool = False) -> None:
         """Register a key by its tenant hash (the key itself is never stored)."""
         if self.db["api_keys"].count_where("name = ?", [name]):
             raise ValueError(f"a key named {name!r} already exists")
-        self._insert("api_keys", {"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None,
-                                  "admin": int(admin)})
+        self.file.insert("api_keys", {"id": key_id, "name": name, "owner": owner, "created": now(), "revoked": None,
+                                      "admin": int(admin)})
 
     def api_keys(self) -> list[dict]:
         return list(self.db["api_keys"].rows_where(order_by="created", select="id, name, created, revoked, admin"))
@@ -36,32 +37,3 @@ class TenantRecords(RecordsBase):
 
     def key_active(self, owner: str) -> bool:
         return self.db["api_keys"].count_where("owner = ? AND revoked IS NULL", [owner]) > 0
-
-    # ---- stability info (stable_reinforce) -------------------------------------------------------------------------
-    def record_sequences(self, owner: str, session_id: str,
-                         sequences: list[tuple[str, list[int], list[int], list[float]]]) -> None:
-        """Store (sequence_id, prompt, sampled tokens, sampler logprobs) per sampled sequence; a retried request
-        replaces its own rows."""
-        stamp = now()
-        self.db["stability_records"].insert_all(({
-            "sequence_id": sequence_id, "session_id": session_id, "owner": owner, "prompt": json.dumps(prompt),
-            "tokens": json.dumps(tokens), "logprobs": json.dumps(logprobs), "created": stamp, "last_used": stamp,
-        } for sequence_id, prompt, tokens, logprobs in sequences), replace=True)
-
-    def recorded_sequence(self, sequence_id: str, owner: str) -> dict | None:
-        row = self._owned("stability_records", sequence_id, owner)
-        if row is not None:
-            row.update({key: json.loads(row[key]) for key in ("prompt", "tokens", "logprobs")})
-        return row
-
-    def touch_sequences(self, sequence_ids: list[str]) -> None:
-        stamp = now()
-        with self.db.conn:
-            self.db.conn.executemany("UPDATE stability_records SET last_used = ? WHERE sequence_id = ?",
-                                     [(stamp, sid) for sid in sequence_ids])
-
-    def purge_sequences(self, unused_since: str) -> int:
-        """Delete stability records not used since ``unused_since``; returns how many."""
-        with self.db.conn:
-            return self.db.conn.execute("DELETE FROM stability_records WHERE last_used < ?", [unused_since]).rowcount
-

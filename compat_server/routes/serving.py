@@ -68,7 +68,7 @@ async def prometheus_metrics(owner: NamedDependency[str], services: NamedDepende
     """Server-wide figures (those ``/api/v1/metrics`` shows an operator) in Prometheus' text format. With ``--auth
     keys`` they are an operator's (``keys create --admin``; Prometheus sends it as a bearer token); an open server
     shows them to anyone who can reach it, as vLLM's does."""
-    if services.config.auth_mode == "keys" and not services.records.is_admin(owner):
+    if services.config.auth_mode == "keys" and not services.records.tenants.is_admin(owner):
         raise NotAuthorizedException("/metrics shows server-wide figures: it needs an operator key "
                                      "(compat-server keys create --admin)")
     families: dict[str, GaugeMetricFamily] = {}

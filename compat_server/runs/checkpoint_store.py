@@ -109,7 +109,7 @@ class CheckpointStore:
         own, or a published one), and — given ``uid`` — it is still that very save, not a later one under the same
         name. Otherwise "not found", exactly as for a path that never existed."""
         parse_path(path)
-        row = records.checkpoint(path, owner)
+        row = records.checkpoints.checkpoint(path, owner)
         if row is None or (uid is not None and row["uid"] != uid):
             raise NotFound(f"{what} {path} not found" if uid is None else
                            f"{what} {path} is no longer available to this key: it was deleted, replaced by a new "

@@ -58,13 +58,13 @@ class RunsService:
         self.signer = signer
 
     def _run(self, owner: str, training_run_id: str) -> dict:
-        row = self.records.model(training_run_id, owner)
+        row = self.records.runs.model(training_run_id, owner)
         if row is None:
             raise NotFound(f"training run {training_run_id!r} not found")
         return row
 
     def _training_run(self, row: dict) -> types.TrainingRun:
-        checkpoints = self.records.run_checkpoints(row["id"])
+        checkpoints = self.records.checkpoints.run_checkpoints(row["id"])
         last = {kind: next((checkpoint_of(c) for c in reversed(checkpoints) if c["kind"] == kind), None)
                 for kind in ("training", "sampler")}
         return types.TrainingRun(
@@ -78,25 +78,25 @@ class RunsService:
 
     def list_training_runs(self, owner: str, limit: int, offset: int) -> types.TrainingRunsResponse:
         limit, offset = _page(limit, offset)
-        rows, total = self.records.models_page(owner, limit, offset)
+        rows, total = self.records.runs.models_page(owner, limit, offset)
         return types.TrainingRunsResponse(training_runs=[self._training_run(r) for r in rows],
                                           cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
 
     def list_checkpoints(self, owner: str, training_run_id: str) -> types.CheckpointsListResponse:
         self._run(owner, training_run_id)
-        rows = self.records.run_checkpoints(training_run_id)
+        rows = self.records.checkpoints.run_checkpoints(training_run_id)
         return types.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows])
 
     def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> types.CheckpointsListResponse:
         limit, offset = _page(limit, offset)
-        rows, total = self.records.user_checkpoints(owner, limit, offset)
+        rows, total = self.records.checkpoints.user_checkpoints(owner, limit, offset)
         return types.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows],
                                              cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
 
     def _owned_checkpoint(self, owner: str, training_run_id: str, checkpoint_id: str) -> dict:
         path = f"tinker://{training_run_id}/{checkpoint_id}"
         parse_path(path)
-        row = self.records.checkpoint(path, owner)
+        row = self.records.checkpoints.checkpoint(path, owner)
         if row is None or row["owner"] != owner:  # a published checkpoint of another tenant is read-only
             raise NotFound(f"checkpoint {path} not found")
         return row
@@ -104,23 +104,23 @@ class RunsService:
     def delete_checkpoint(self, owner: str, training_run_id: str, checkpoint_id: str) -> None:
         row = self._owned_checkpoint(owner, training_run_id, checkpoint_id)
         path = row["tinker_path"]
-        self.records.delete_checkpoint(path, row["uid"])
+        self.records.checkpoints.delete_checkpoint(path, row["uid"])
         self.checkpoints.delete(path, row["uid"])
-        self.records.audit(owner, "checkpoint_delete", model_id=training_run_id, tinker_path=path)
+        self.records.account.audit(owner, "checkpoint_delete", model_id=training_run_id, tinker_path=path)
         log.info("checkpoint deleted: %s", path)
 
     def set_public(self, owner: str, training_run_id: str, checkpoint_id: str, public: bool) -> None:
         path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)["tinker_path"]
-        self.records.set_checkpoint_public(path, public)
-        self.records.audit(owner, "checkpoint_publish" if public else "checkpoint_unpublish", model_id=training_run_id,
-                           tinker_path=path)
+        self.records.checkpoints.set_checkpoint_public(path, public)
+        self.records.account.audit(owner, "checkpoint_publish" if public else "checkpoint_unpublish",
+                                   model_id=training_run_id, tinker_path=path)
         log.info("checkpoint %s: %s", "published" if public else "unpublished", path)
 
     def set_ttl(self, owner: str, training_run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         path = self._owned_checkpoint(owner, training_run_id, checkpoint_id)["tinker_path"]
-        self.records.set_checkpoint_expiry(path, self.checkpoints.expiry(ttl_seconds))
-        self.records.audit(owner, "checkpoint_ttl_set", model_id=training_run_id, tinker_path=path,
-                           ttl_seconds=ttl_seconds)
+        self.records.checkpoints.set_checkpoint_expiry(path, self.checkpoints.expiry(ttl_seconds))
+        self.records.account.audit(owner, "checkpoint_ttl_set", model_id=training_run_id, tinker_path=path,
+                                   ttl_seconds=ttl_seconds)
         log.info("checkpoint %s expires %s", path, f"in {ttl_seconds} s" if ttl_seconds is not None else "never")
 
     def weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
@@ -135,8 +135,8 @@ class RunsService:
         """One signed URL per file of the checkpoint, for plain-HTTP download until they expire. A URL names this
         save (its uid) and the key it was given to, so it stops working when that key may no longer read it."""
         row, directory = self.checkpoints.readable(self.records, owner, tinker_path)
-        self.records.audit(owner, "checkpoint_read", model_id=row["training_run_id"], tinker_path=tinker_path,
-                           purpose="download (external_weights_urls)", owned=row["owner"] == owner)
+        self.records.account.audit(owner, "checkpoint_read", model_id=row["training_run_id"], tinker_path=tinker_path,
+                                   purpose="download (external_weights_urls)", owned=row["owner"] == owner)
         grant = DownloadGrant(tinker_path=tinker_path, uid=row["uid"], grantee=self.signer.grantee(owner))
         urls, expires = {}, 0
         parsed = parse_path(tinker_path)
@@ -152,7 +152,7 @@ class RunsService:
         that key's own)."""
         if not self.signer.valid(grant, file, expires, signature):
             raise PermissionDeniedException("this download URL is invalid or has expired; ask for new URLs")
-        row = self.records.live_checkpoint(grant.tinker_path)
+        row = self.records.checkpoints.live_checkpoint(grant.tinker_path)
         if row is None or row["uid"] != grant.uid:
             raise NotFound(f"{grant.tinker_path} no longer exists as it was when this URL was made")
         if not row["public"] and self.signer.grantee(row["owner"]) != grant.grantee:
@@ -175,10 +175,10 @@ class RunsService:
         if req.session_id is not None:
             if req.model_seq_id is None:
                 raise UserError("copy_weights with a session_id needs model_seq_id too")
-            if self.records.session(req.session_id, owner) is None:
+            if self.records.runs.session(req.session_id, owner) is None:
                 raise NotFound(f"session {req.session_id!r} not found")
             run_id = model_id_for(req.session_id, req.model_seq_id)
-            if self.records.model(run_id, owner) is not None:
+            if self.records.runs.model(run_id, owner) is not None:
                 raise UserError(f"training run {run_id} already exists")
         elif req.destination_project_id:
             run_id = f"copy-{uuid.uuid4().hex[:16]}"
@@ -193,34 +193,37 @@ class RunsService:
             size = self.checkpoints.publish(staging, path, uid)
         finally:
             self.checkpoints.discard(staging)
-        self.records.create_model(run_id, session_id=req.session_id or "", owner=owner, base_model=row["base_model"],
-                                  lora=asdict(read_lora_spec(directory)),
-                                  user_metadata={"copied_from": req.source_path})
-        self.records.set_model_status(run_id, "a read-only copy")
-        self.records.add_checkpoint(path, uid=uid, training_run_id=run_id, checkpoint_id=source.checkpoint_id,
-                                    kind=source.checkpoint_type, owner=owner, base_model=row["base_model"],
-                                    size_bytes=size, expires_at=expires, user_metadata=None)
-        self.records.audit(owner, "checkpoint_copy", model_id=run_id, tinker_path=path, source_path=req.source_path)
+        self.records.runs.create_model(run_id, session_id=req.session_id or "", owner=owner,
+                                       base_model=row["base_model"], lora=asdict(read_lora_spec(directory)),
+                                       user_metadata={"copied_from": req.source_path})
+        self.records.runs.set_model_status(run_id, "a read-only copy")
+        self.records.checkpoints.add_checkpoint(path, uid=uid, training_run_id=run_id,
+                                                checkpoint_id=source.checkpoint_id, kind=source.checkpoint_type,
+                                                owner=owner, base_model=row["base_model"], size_bytes=size,
+                                                expires_at=expires, user_metadata=None)
+        self.records.account.audit(owner, "checkpoint_copy", model_id=run_id, tinker_path=path,
+                                   source_path=req.source_path)
         log.info("checkpoint copied: %s → %s", req.source_path, path)
         return types.CopyWeightsResponse(tinker_path=path)
 
     def sweep_expired(self) -> int:
         """Delete every expired checkpoint from the records and the disk; returns how many."""
-        expired = self.records.expired_checkpoints()
+        expired = self.records.checkpoints.expired_checkpoints()
         for path, uid in expired:
-            if self.records.delete_checkpoint(path, uid):  # not if saved again under the same name meanwhile
+            # not if saved again under the same name meanwhile
+            if self.records.checkpoints.delete_checkpoint(path, uid):
                 self.checkpoints.delete(path, uid)
                 log.info("checkpoint expired and deleted: %s", path)
         return len(expired)
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> types.ListSessionsResponse:
         limit, offset = _page(limit, offset)
-        return types.ListSessionsResponse(sessions=self.records.sessions_page(owner, limit, offset))
+        return types.ListSessionsResponse(sessions=self.records.runs.sessions_page(owner, limit, offset))
 
     def get_session(self, owner: str, session_id: str) -> types.GetSessionResponse:
-        row = self.records.session(session_id, owner)
+        row = self.records.runs.session(session_id, owner)
         if row is None:
             raise NotFound(f"session {session_id!r} not found")
-        runs, samplers = self.records.session_children(session_id)
+        runs, samplers = self.records.runs.session_children(session_id)
         return types.GetSessionResponse(training_run_ids=runs, sampler_ids=samplers,
                                         user_metadata=string_metadata(row["user_metadata"]) or None)

@@ -8,9 +8,31 @@ either): the directory is emptied at start, and only the last ``keep`` saves per
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.samplers.interface import AdapterRef
+
+
+@dataclass(frozen=True)
+class EphemeralKey:
+    """The identity of unnamed sampler weights: the training model they were saved from, and which save of it (a
+    snapshot's own directory, or the model's one ``inflight`` weights, whose changes ``AdapterRef.version`` counts)."""
+
+    model_id: str
+    save: str
+
+    @classmethod
+    def snapshot(cls, model_id: str, directory: Path) -> EphemeralKey:
+        return cls(model_id, directory.name)
+
+    @classmethod
+    def inflight(cls, model_id: str) -> EphemeralKey:
+        return cls(model_id, "inflight")
+
+    def __str__(self) -> str:
+        """Its form where a string is needed (a sampler's adapter key, the records): an opaque name, never parsed."""
+        return f"{self.model_id}#{self.save}"
 
 
 class EphemeralWeights:
@@ -28,15 +50,16 @@ class EphemeralWeights:
         self._counter += 1
         return self.root / model_id.replace(":", "_") / f"{self._counter:08d}"
 
-    def add(self, model_id: str, kind: str, directory: Path) -> AdapterRef:
+    def add(self, model_id: str, directory: Path, *, inflight: bool) -> AdapterRef:
         """The weights just saved into ``directory`` as a sampler adapter; an ``inflight`` save becomes the model's
         inflight weights (a new version of the same adapter). Older saves beyond ``keep`` are deleted."""
-        if kind == "inflight":
+        if inflight:
             previous = self._inflight.get(model_id)
-            ref = AdapterRef(f"{model_id}#inflight", str(directory), (previous.version + 1) if previous else 1)
+            ref = AdapterRef(str(EphemeralKey.inflight(model_id)), str(directory),
+                             (previous.version + 1) if previous else 1)
             self._inflight[model_id] = ref
         else:
-            ref = AdapterRef(f"{model_id}#{directory.name}", str(directory))
+            ref = AdapterRef(str(EphemeralKey.snapshot(model_id, directory)), str(directory))
         kept = self._kept.setdefault(model_id, [])
         kept.append(directory)
         while len(kept) > self.keep:

@@ -33,9 +33,9 @@ class StabilityStore:
     def record(self, owner: str, session_id: str, sequence_ids: list[str], prompt: list[int],
                sequences: list[tuple[list[int], list[float]]]) -> None:
         """Record one sample request's sequences (and drop records nobody used for a whole TTL)."""
-        self.records.record_sequences(owner, session_id, [
+        self.records.samplers.record_sequences(owner, session_id, [
             (sid, prompt, tokens, logprobs) for sid, (tokens, logprobs) in zip(sequence_ids, sequences)])
-        purged = self.records.purge_sequences(self._cutoff())
+        purged = self.records.samplers.purge_sequences(self._cutoff())
         if purged:
             log.info("stability records expired: %d sequences unused for %s", purged, self.ttl)
 
@@ -50,7 +50,7 @@ class StabilityStore:
 
         def lookup(sequence_id: str) -> RecordedSequence:
             if sequence_id not in found:
-                row = self.records.recorded_sequence(sequence_id, owner)
+                row = self.records.samplers.recorded_sequence(sequence_id, owner)
                 if row is None:
                     raise UserError(f"sequence {sequence_id!r} has no recorded stability info: sample it with a "
                                     "client created with record_stability_info=True")
@@ -75,5 +75,5 @@ class StabilityStore:
                                              datum.model_input_spans, datum.loss_fn_input_spans, lookup, f"datum {i}")
             out.append(replace(datum, loss_fn_inputs={**datum.loss_fn_inputs, "recorded_logprobs": values,
                                                       "recorded_mask": mask}))
-        self.records.touch_sequences(sorted(found))
+        self.records.samplers.touch_sequences(sorted(found))
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from functools import partial
@@ -16,8 +16,10 @@ from adapters.disk import DiskFull
 from adapters.lora.files import read_saved_step
 from adapters.trainer.interface import LoraSpec, read_lora_spec
 from compat_server.jobs.futures import Payload
-from compat_server.runs.checkpoint_store import parse_path, tinker_path
+from compat_server.jobs.trainer_client import TrainerClient
+from compat_server.runs.checkpoint_store import CheckpointStore, parse_path, tinker_path
 from compat_server.runs.encryption import encrypt_directory, parse_recipients
+from compat_server.sampling.service import SamplingService
 from compat_server.training.core import TrainingCore, json_payload, model_id_for
 from shims.errors import NotFound, UserError
 
@@ -34,68 +36,77 @@ def disk_full_names(what: str) -> Iterator[None]:
                        "the checkpoint storage (--storage-dir / --data-dir) and save again") from None
 
 
-class CheckpointCalls(TrainingCore):
-    """save_state / save_weights_for_sampler / save_weights_external / load_state, and the reload after a crash."""
+class CheckpointCalls:
+    """save_state / save_weights_for_sampler / save_weights_external / load_state, and the reload after a crash.
+    ``TrainingService`` holds one and hands these calls to it; the runs' lookups and ordering are the shared
+    ``TrainingCore``'s."""
+
+    def __init__(self, core: TrainingCore, checkpoints: CheckpointStore, sampling: SamplingService) -> None:
+        self.core = core
+        self.records = core.records
+        self.scheduler = core.scheduler
+        self.checkpoints = checkpoints
+        self.sampling = sampling
 
     async def reload_after_restart(self, base_model: str) -> None:
         """The base model's trainer crashed and came back empty: put every active run back from its latest training
         checkpoint (with its optimizer state). Steps after that checkpoint are lost; a run that never saved state
         cannot come back and is marked unloaded."""
-        for row in self.records.active_models_on(base_model):
-            saved = [c for c in self.records.run_checkpoints(row["id"]) if c["kind"] == "training"]
+        for row in self.records.runs.active_models_on(base_model):
+            saved = [c for c in self.records.checkpoints.run_checkpoints(row["id"]) if c["kind"] == "training"]
             if not saved:
-                self.records.set_model_status(row["id"], "unloaded (the trainer restarted and this run had no saved "
-                                                         "state; create a new training client)")
+                self.records.runs.set_model_status(
+                    row["id"], "unloaded (the trainer restarted and this run had no saved state; create a new training "
+                    "client)")
                 log.warning("run %s lost in the trainer restart: it had no saved state", row["id"])
                 continue
             path, uid = saved[-1]["tinker_path"], saved[-1]["uid"]
             try:
                 await self._load(base_model, row["id"], path, uid, True)
             except Exception as exc:  # noqa: BLE001 - one run that cannot be reloaded must not stop the others
-                self.records.set_model_status(row["id"], f"unloaded (reloading {path} after a trainer restart "
+                self.records.runs.set_model_status(row["id"], f"unloaded (reloading {path} after a trainer restart "
                                                          f"failed: {exc})")
                 log.warning("run %s could not be reloaded from %s: %s", row["id"], path, exc)
                 continue
             notice = self._rollback_notice(row["id"], path, read_saved_step(self.checkpoints.directory(path, uid)))
-            self.records.set_rolled_back(row["id"], notice)
+            self.records.runs.set_rolled_back(row["id"], notice)
             log.warning("run %s reloaded from %s after the trainer restart: %s", row["id"], path, notice,
                         extra={"event": "run_rolled_back", "model_id": row["id"], "checkpoint": path})
 
     def _rollback_notice(self, model_id: str, path: str, saved_step: int | None) -> str:
-        last = self._last_step.get(model_id)
+        last = self.core.last_step.get(model_id)
         if saved_step is None or last is None:
             lost = "the optimizer steps and accumulated gradients after it were lost"
         else:
             lost = (f"{last - saved_step} optimizer step(s) after it were lost (it was saved at step {saved_step}; "
                     f"the run had reached step {last}), and any gradients accumulated since the last step")
-        self._last_step[model_id] = saved_step or 0
+        self.core.last_step[model_id] = saved_step or 0
         return (f"the trainer crashed and restarted, and run {model_id} was rolled back to its checkpoint {path}: "
                 f"{lost}. It trains on from that checkpoint; repeat the lost steps if you need them")
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
-    async def _save(self, owner: str, row: dict, kind: str, name: str, method: str, overwrite: bool,
-                    ttl_seconds: int | None, user_metadata: dict | None,
+    async def _save(self, owner: str, row: dict, kind: str, name: str, write: Callable[[str, str], Awaitable[None]],
+                    overwrite: bool, ttl_seconds: int | None, user_metadata: dict | None,
                     finish: Callable[[Path], None] | None = None) -> str:
-        """Have the trainer write a checkpoint into staging, ``finish`` it there (if given), then publish and record
-        it."""
+        """Have the trainer write a checkpoint into staging (``write(model_id, directory)``: one of its save calls),
+        ``finish`` it there (if given), then publish and record it."""
         model_id = row["id"]
         path = tinker_path(model_id, kind, name)
-        if self.records.live_checkpoint(path) is not None and not overwrite:
+        if self.records.checkpoints.live_checkpoint(path) is not None and not overwrite:
             raise UserError(f"checkpoint {path} already exists; choose another name")
         expires = self.checkpoints.expiry(ttl_seconds)
         staging, uid = self.checkpoints.staging(path), self.checkpoints.new_uid()
         try:
             with disk_full_names(path):
-                await self.scheduler.trainer(row["base_model"], method, model_id, str(staging))
+                await write(model_id, str(staging))
                 if finish is not None:
                     await asyncio.to_thread(finish, staging)
                 size = self.checkpoints.publish(staging, path, uid)
         finally:
             self.checkpoints.discard(staging)
-        replaced = self.records.add_checkpoint(path, uid=uid, training_run_id=model_id,
-                                               checkpoint_id=parse_path(path).checkpoint_id, kind=kind, owner=owner,
-                                               base_model=row["base_model"], size_bytes=size, expires_at=expires,
-                                               user_metadata=user_metadata)
+        replaced = self.records.checkpoints.add_checkpoint(
+            path, uid=uid, training_run_id=model_id, checkpoint_id=parse_path(path).checkpoint_id, kind=kind,
+            owner=owner, base_model=row["base_model"], size_bytes=size, expires_at=expires, user_metadata=user_metadata)
         if replaced is not None:  # overwritten, or expired and not yet swept: its files go now
             self.checkpoints.delete(path, replaced["uid"])
         log.info("checkpoint saved: %s (%d bytes)", path, size,
@@ -105,21 +116,21 @@ class CheckpointCalls(TrainingCore):
     def save_weights(self, owner: str, req: types.SaveWeightsRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
             name = req.path or f"seq-{req.seq_id or 0:06d}"
-            path = await self._save(owner, row, "training", name, "save_state", req.overwrite, req.ttl_seconds,
-                                    req.user_metadata)
+            path = await self._save(owner, row, "training", name, self._trainer(row).save_state, req.overwrite,
+                                    req.ttl_seconds, req.user_metadata)
             return json_payload(types.SaveWeightsResponse(path=path, type="save_weights"))
 
-        return self._ordered(owner, "save_weights", req.model_id, req.seq_id, idem, job)
+        return self.core.ordered(owner, "save_weights", req.model_id, req.seq_id, idem, job)
 
     def save_weights_for_sampler(self, owner: str, req: types.SaveWeightsForSamplerRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
             if req.path is None:
                 return await self._save_unnamed_for_sampler(owner, row, req)
-            path = await self._save(owner, row, "sampler", req.path, "save_for_sampler", False, req.ttl_seconds,
-                                    req.user_metadata)
+            path = await self._save(owner, row, "sampler", req.path, self._trainer(row).save_for_sampler, False,
+                                    req.ttl_seconds, req.user_metadata)
             return json_payload(types.SaveWeightsForSamplerResponse(path=path, type="save_weights_for_sampler"))
 
-        return self._ordered(owner, "save_weights_for_sampler", req.model_id, req.seq_id, idem, job)
+        return self.core.ordered(owner, "save_weights_for_sampler", req.model_id, req.seq_id, idem, job)
 
     def save_weights_external(self, owner: str, req: types.SaveWeightsExternalRequest, idem: str | None) -> dict:
         """The adapter under ``external_weights/``, for download with ``get_external_weights_urls``, its tensors
@@ -129,11 +140,11 @@ class CheckpointCalls(TrainingCore):
             encrypt = None
             if req.age_encryption_recipients is not None:
                 encrypt = partial(encrypt_directory, recipients=parse_recipients(req.age_encryption_recipients))
-            path = await self._save(owner, row, "external", req.path, "save_for_export", False, req.ttl_seconds,
-                                    None, encrypt)
+            path = await self._save(owner, row, "external", req.path, self._trainer(row).save_for_export, False,
+                                    req.ttl_seconds, None, encrypt)
             return json_payload(types.SaveWeightsExternalResponseInternal(path=path, type="save_weights_external"))
 
-        return self._ordered(owner, "save_weights_external", req.model_id, req.seq_id, idem, job)
+        return self.core.ordered(owner, "save_weights_external", req.model_id, req.seq_id, idem, job)
 
     async def _save_unnamed_for_sampler(self, owner: str, row: dict, req: types.SaveWeightsForSamplerRequest) -> Payload:
         """``save_weights_and_get_sampling_client``: weights saved outside the checkpoint listing, and a sampling
@@ -142,7 +153,7 @@ class CheckpointCalls(TrainingCore):
         staging = directory.with_name(f".staging-{directory.name}")
         try:
             with disk_full_names(f"sampler weights of {row['id']}"):
-                await self.scheduler.trainer(row["base_model"], "save_for_sampler", row["id"], str(staging))
+                await self._trainer(row).save_for_sampler(row["id"], str(staging))
             staging.rename(directory)
         finally:
             self.checkpoints.discard(staging)
@@ -155,7 +166,7 @@ class CheckpointCalls(TrainingCore):
         from_state``, which names the model by session and client number and sends no create_model)."""
         if req.model_id is None:
             if req.session_id is None or req.model_seq_id is None:
-                return self._future(self.scheduler.fail_now(
+                return self.core.future(self.scheduler.fail_now(
                     owner=owner, kind="load_weights", idempotency_key=idem,
                     message="load_weights needs model_id, or session_id and model_seq_id"))
             return self._load_into_new_model(owner, req, idem)
@@ -166,34 +177,37 @@ class CheckpointCalls(TrainingCore):
                 raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, "
                                 f"but model {req.model_id} uses {row['base_model']}")
             spec = await self._load(row["base_model"], req.model_id, req.path, ckpt["uid"], req.optimizer)
-            self.records.set_model_lora(req.model_id, asdict(spec))
+            self.records.runs.set_model_lora(req.model_id, asdict(spec))
             return json_payload(types.LoadWeightsResponse(path=req.path, model_id=req.model_id, type="load_weights"))
 
-        return self._ordered(owner, "load_weights", req.model_id, req.seq_id, idem, job)
+        return self.core.ordered(owner, "load_weights", req.model_id, req.seq_id, idem, job)
 
     def _load_into_new_model(self, owner: str, req: types.LoadWeightsRequest, idem: str | None) -> dict:
         model_id = model_id_for(req.session_id, req.model_seq_id)
 
         async def job() -> Payload:
-            if self.records.session(req.session_id, owner) is None:
+            if self.records.runs.session(req.session_id, owner) is None:
                 raise NotFound(f"unknown session_id {req.session_id!r}")
-            if self.records.model(model_id, owner) is not None:
+            if self.records.runs.model(model_id, owner) is not None:
                 raise UserError(f"model {model_id} already exists")
             ckpt = self._readable_checkpoint(owner, req.path)
             if req.base_model and req.base_model != ckpt["base_model"]:
                 raise UserError(f"checkpoint {req.path} was trained on {ckpt['base_model']}, not {req.base_model}")
-            base = self._base(ckpt["base_model"])
-            with self._new_model_slot(owner):
+            base = self.core.base(ckpt["base_model"])
+            with self.core.new_model_slot(owner):
                 spec: LoraSpec = await self._load(base.name, model_id, req.path, ckpt["uid"], req.optimizer)
-                self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
-                                          lora=asdict(spec), user_metadata=req.user_metadata)
+                self.records.runs.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
+                                               lora=asdict(spec), user_metadata=req.user_metadata)
             log.info("model created from %s: %s on %s", req.path, model_id, base.name,
                      extra={"event": "model_created", "model_id": model_id, "base_model": base.name,
                             "from_checkpoint": req.path})
             return json_payload(types.LoadWeightsResponse(path=req.path, model_id=model_id, type="load_weights"))
 
-        return self._future(self.scheduler.submit(owner=owner, kind="load_weights", job=job,
-                                                  idempotency_key=idem), model_id)
+        return self.core.future(self.scheduler.submit(owner=owner, kind="load_weights", job=job,
+                                                      idempotency_key=idem), model_id)
+
+    def _trainer(self, row: dict) -> TrainerClient:
+        return self.scheduler.trainer_for(row["base_model"])
 
     def _readable_checkpoint(self, owner: str, path: str) -> dict:
         return self.checkpoints.readable(self.records, owner, path)[0]
@@ -205,7 +219,7 @@ class CheckpointCalls(TrainingCore):
         if not directory.exists():
             raise NotFound(f"checkpoint {path} not found (deleted while the request waited)")
         spec = read_lora_spec(directory)
-        await self.scheduler.trainer(base_model, "load_state", model_id, str(directory), with_optimizer)
+        await self.scheduler.trainer_for(base_model).load_state(model_id, str(directory), with_optimizer)
         log.info("weights loaded: %s ← %s (%s optimizer state)", model_id, path, "with" if with_optimizer else "without")
         return spec
 

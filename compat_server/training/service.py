@@ -10,15 +10,22 @@ import hashlib
 import logging
 import secrets
 from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 
 from tinker import types
 from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 
-from adapters.trainer.interface import AdamHyper, DimuonHyper, LoraSpec, StepRequest
+from adapters.models.resolve import BaseModelSpec
+from adapters.trainer.interface import MAX_LORA_RANK, AdamHyper, DimuonHyper, LoraSpec, StepRequest
 from compat_server.jobs.futures import PROTOBUF, Payload
+from compat_server.jobs.scheduler import Scheduler
+from compat_server.records import Records
+from compat_server.runs.checkpoint_store import CheckpointStore
+from compat_server.sampling.service import SamplingService
 from compat_server.telemetry import TOKENS_TRAINED
 from compat_server.training.checkpoints import CheckpointCalls
-from compat_server.training.core import json_payload, model_id_for
+from compat_server.training.core import TrainingCore, json_payload, model_id_for
+from compat_server.training.custom_losses import CustomLossStore
 from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
 from shims.errors import NotFound, UserError
 from shims.tinker.training_wire import ForwardBackwardBatch, encode_forward_backward_output
@@ -49,8 +56,38 @@ def optimizer_hyper(params: types.AdamParams | OptimParamsBase) -> AdamHyper | D
         raise UserError(f"DimuonParams takes learning_rate, beta1 and grad_clip_norm: {exc}") from None
 
 
-class TrainingService(CheckpointCalls):
-    """Tinker training calls for one server: create, train, save, load and unload LoRA models."""
+class TrainingService:
+    """Tinker training calls for one server: create, train, save, load and unload LoRA models. The checkpoint calls
+    are its ``CheckpointCalls``' (it hands them on); what both share — the runs' lookups, ordering, limits and steps
+    — is one ``TrainingCore``."""
+
+    def __init__(self, records: Records, scheduler: Scheduler, checkpoints: CheckpointStore,
+                 base_models: dict[str, BaseModelSpec], sampling: SamplingService,
+                 max_adapters_per_key: int | None = None, max_lora_rank: int = MAX_LORA_RANK) -> None:
+        self.core = TrainingCore(records, scheduler, base_models, max_adapters_per_key)
+        self.checkpoint_calls = CheckpointCalls(self.core, checkpoints, sampling)
+        self.records = records
+        self.scheduler = scheduler
+        self.base_models = base_models
+        self.sampling = sampling
+        self.max_lora_rank = max_lora_rank
+        self.custom_losses = CustomLossStore()
+
+    # ---- checkpoints (``CheckpointCalls``) ------------------------------------------------------------------------
+    def save_weights(self, owner: str, req: types.SaveWeightsRequest, idem: str | None) -> dict:
+        return self.checkpoint_calls.save_weights(owner, req, idem)
+
+    def save_weights_for_sampler(self, owner: str, req: types.SaveWeightsForSamplerRequest, idem: str | None) -> dict:
+        return self.checkpoint_calls.save_weights_for_sampler(owner, req, idem)
+
+    def save_weights_external(self, owner: str, req: types.SaveWeightsExternalRequest, idem: str | None) -> dict:
+        return self.checkpoint_calls.save_weights_external(owner, req, idem)
+
+    def load_weights(self, owner: str, req: types.LoadWeightsRequest, idem: str | None) -> dict:
+        return self.checkpoint_calls.load_weights(owner, req, idem)
+
+    async def reload_after_restart(self, base_model: str) -> None:
+        await self.checkpoint_calls.reload_after_restart(base_model)
 
     def metrics(self) -> dict:
         """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches, and
@@ -65,13 +102,13 @@ class TrainingService(CheckpointCalls):
         model_id = model_id_for(req.session_id, req.model_seq_id)
 
         async def job() -> Payload:
-            if self.records.session(req.session_id, owner) is None:
+            if self.records.runs.session(req.session_id, owner) is None:
                 raise NotFound(f"unknown session_id {req.session_id!r}")
-            base = self._base(req.base_model)
+            base = self.core.base(req.base_model)
             if req.lora_config is None:
                 raise UserError("lora_config is required: this server trains LoRA adapters")
             optimizer = optimizer_family(req.optimizer_config)
-            if self.records.model(model_id, owner) is not None:
+            if self.records.runs.model(model_id, owner) is not None:
                 raise UserError(f"model {model_id} already exists")
             lora = req.lora_config
             spec = LoraSpec(rank=lora.rank, seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31),
@@ -81,20 +118,20 @@ class TrainingService(CheckpointCalls):
             if spec.rank > self.max_lora_rank:
                 raise UserError(f"LoRA rank {spec.rank} is above this server's --max-lora-rank {self.max_lora_rank} "
                                 "(the samplers are started for ranks up to it); ask for a smaller rank")
-            with self._new_model_slot(owner):
-                await self.scheduler.trainer(base.name, "create", model_id, spec)
-                self.records.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
-                                          lora=asdict(spec), user_metadata=req.user_metadata)
+            with self.core.new_model_slot(owner):
+                await self.scheduler.trainer_for(base.name).create(model_id, spec)
+                self.records.runs.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,
+                                               lora=asdict(spec), user_metadata=req.user_metadata)
             log.info("model created: %s on %s (LoRA rank %d)", model_id, base.name, spec.rank,
                      extra={"event": "model_created", "model_id": model_id, "base_model": base.name,
                             "lora_rank": spec.rank})
             return json_payload(types.CreateModelResponse(model_id=model_id))
 
-        return self._future(self.scheduler.submit(owner=owner, kind="create_model", job=job, model_id=model_id,
-                                                  idempotency_key=idem), model_id)
+        return self.core.future(self.scheduler.submit(owner=owner, kind="create_model", job=job, model_id=model_id,
+                                                      idempotency_key=idem), model_id)
 
     def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
-        row = self.records.model(model_id, owner)
+        row = self.records.runs.model(model_id, owner)
         if row is None:
             raise NotFound(f"unknown model_id {model_id!r}")
         base = self.base_models[row["base_model"]]
@@ -106,19 +143,19 @@ class TrainingService(CheckpointCalls):
 
     def unload_model(self, owner: str, model_id: str, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
-            await self.scheduler.trainer(row["base_model"], "unload", model_id)
-            self.records.set_model_status(model_id, "unloaded")
+            await self.scheduler.trainer_for(row["base_model"]).unload(model_id)
+            self.records.runs.set_model_status(model_id, "unloaded")
             log.info("model unloaded: %s", model_id)
             return json_payload(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
 
-        return self._ordered(owner, "unload_model", model_id, None, idem, job)
+        return self.core.ordered(owner, "unload_model", model_id, None, idem, job)
 
     def reject(self, owner: str, kind: str, model_id: str, seq_id: int | None, message: str, idem: str | None) -> dict:
         """Fail a request with a user error in its model's turn, so later requests of that model are not held up."""
         async def job(row: dict) -> Payload:
             raise UserError(message)
 
-        return self._ordered(owner, kind, model_id, seq_id, idem, job)
+        return self.core.ordered(owner, kind, model_id, seq_id, idem, job)
 
     # ---- training -------------------------------------------------------------------------------------------------
     def forward_backward(self, owner: str, batch: ForwardBackwardBatch, idem: str | None) -> dict:
@@ -129,12 +166,12 @@ class TrainingService(CheckpointCalls):
                 if batch.loss_fn == "custom" else None
             data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
             config = batch.loss_fn_config if custom is None else {}
-            result = await self.scheduler.forward_backward(row["base_model"], StepRequest(
+            result = await self.scheduler.trainer_for(row["base_model"]).forward_backward(StepRequest(
                 batch.model_id, data, batch.loss_fn, config, batch.forward_only, custom_loss=custom))
             speed = result.num_tokens / max(result.seconds, 1e-9)
             TOKENS_TRAINED.add(result.num_tokens, {"base_model": row["base_model"], "kind": kind})
-            self.records.add_step(batch.model_id, seq_id=batch.seq_id, kind=kind, loss_fn=batch.loss_fn,
-                                  metrics=result.metrics, num_tokens=result.num_tokens, tokens_per_s=speed)
+            self.records.runs.add_step(batch.model_id, seq_id=batch.seq_id, kind=kind, loss_fn=batch.loss_fn,
+                                       metrics=result.metrics, num_tokens=result.num_tokens, tokens_per_s=speed)
             log.info("%s done: %s seq %d, %s %s, %d tokens, %.0f tokens/s", kind, batch.model_id, batch.seq_id,
                      batch.loss_fn, " ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()), result.num_tokens,
                      speed, extra={"event": f"{kind}_done", "model_id": batch.model_id, "seq_id": batch.seq_id,
@@ -142,12 +179,12 @@ class TrainingService(CheckpointCalls):
                                    "tokens": result.num_tokens, "tokens_per_s": round(speed, 1)})
             return Payload(PROTOBUF, encode_forward_backward_output(result.outputs, result.metrics))
 
-        return self._ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
+        return self.core.ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
 
     def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest, limits: CustomLossLimits,
                            max_per_key: int, idem: str | None) -> dict:
         """Check and store a traced loss at once (anything wrong is a 400 naming it); the future answers its id."""
-        session = self.records.session(req.session_id, owner)
+        session = self.records.runs.session(req.session_id, owner)
         if session is None:
             raise NotFound(f"unknown session_id {req.session_id!r}")
         if session["finished"]:
@@ -159,19 +196,45 @@ class TrainingService(CheckpointCalls):
         async def job() -> Payload:
             return json_payload(types.CreateCustomLossResponse(loss_id=loss_id))
 
-        return self._future(self.scheduler.submit(owner=owner, kind="create_custom_loss", job=job,
-                                                  idempotency_key=idem))
+        return self.core.future(self.scheduler.submit(owner=owner, kind="create_custom_loss", job=job,
+                                                      idempotency_key=idem))
 
     def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
             hyper = optimizer_hyper(req.optim_params)
-            metrics = await self.scheduler.optim_step(row["base_model"], req.model_id, hyper)
-            self._last_step[req.model_id] = int(metrics["step"])
+            metrics = await self.scheduler.trainer_for(row["base_model"]).optim_step(req.model_id, hyper)
+            self.core.last_step[req.model_id] = int(metrics["step"])
             log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
                      hyper.learning_rate, metrics["grad_norm"],
                      extra={"event": "optim_step_done", "model_id": req.model_id, "step": int(metrics["step"]),
                             "learning_rate": hyper.learning_rate, "grad_norm": metrics["grad_norm"]})
             return json_payload(types.OptimStepResponse(metrics=metrics))
 
-        return self._ordered(owner, "optim_step", req.model_id, req.seq_id, idem, job)
+        return self.core.ordered(owner, "optim_step", req.model_id, req.seq_id, idem, job)
 
+    # ---- sessions -------------------------------------------------------------------------------------------------
+    async def expire_sessions(self, timeout_seconds: float) -> int:
+        """End sessions that stopped heartbeating ``timeout_seconds`` ago. Returns how many sessions ended."""
+        cutoff = (datetime.now(UTC) - timedelta(seconds=timeout_seconds)).isoformat()
+        stale = self.records.runs.stale_sessions(cutoff)
+        for session in stale:
+            unloaded = await self.end_session(session["id"], "expired", "its session expired")
+            log.info("session expired: %s (no heartbeat since %s); models unloaded: %s", session["id"],
+                     session["last_heartbeat"], ", ".join(unloaded) or "none")
+        return len(stale)
+
+    async def end_session(self, session_id: str, reason: str, why: str) -> list[str]:
+        """A session ends (its client closed it, or it expired): its training runs leave the trainer, so their
+        adapter slots (``--max-adapters``, ``--max-adapters-per-key``) are free again, and its custom losses go;
+        its saved checkpoints stay (load one into a new training client to continue). Returns the runs unloaded."""
+        models = self.records.runs.active_models_of(session_id)
+        for row in models:
+            try:
+                await self.scheduler.trainer_for(row["base_model"]).unload(row["id"])
+            except Exception as exc:  # noqa: BLE001 - the model is gone from the trainer either way
+                log.warning("unloading %s of ended session %s: %s", row["id"], session_id, exc)
+            self.records.runs.set_model_status(row["id"], f"unloaded ({why}; load a checkpoint of it into a new "
+                                                     "training client to continue)")
+        self.records.runs.finish_session(session_id, reason)
+        self.custom_losses.drop_session(session_id)
+        return [row["id"] for row in models]

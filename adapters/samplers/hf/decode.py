@@ -2,8 +2,8 @@
 prompts scored where a request asks, then one token per row per step with a shared KV cache; a row that finishes
 (stop, length, constraint complete, or its caller gone) leaves the cache at once.
 
-Split from ``adapters.samplers.hf.sampler``, which owns the model, the adapters and the batching: this module only turns a
-batch into results, through the ``forward`` it is given (the model with each row's adapter routed).
+Split from ``adapters.samplers.hf.sampler``, which owns the model, the adapters and the batching: this module only
+turns a batch into results, through the ``forward`` it is given (the model with each row's adapter routed).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Concurrent requests are not run one by one: every request that is waiting when the model becomes free joins one
 batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter, its own sampling parameters and
-its own random generator. Adapters run through ``adapters.lora.layers`` (the trainer's LoRA execution): requests are ordered
-by adapter so each adapter's rows are one slice of the batch, which ``adapters.samplers.hf.decode`` decodes.
+its own random generator. Adapters run through ``adapters.lora.layers`` (the trainer's LoRA execution): requests are
+ordered by adapter so each adapter's rows are one slice of the batch, which ``adapters.samplers.hf.decode`` decodes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from adapters.lora.layers import LoRALinear, Router, install, with_tied_input_si
 from adapters.models.resolve import resolve_dtype
 from adapters.samplers.grammar import JsonGrammars, check_constraint
 from adapters.samplers.hf.decode import BatchDecoder, BatchRequest
-from adapters.samplers.interface import AdapterRef, OnToken, ResidentAdapters, SamplerFacts
+from adapters.samplers.interface import AdapterRef, OnToken, ResidentAdapters, SamplerBackend, SamplerFacts
 from shims.errors import UserError
 from shims.sampling.job import SampleJob, SampleResult
 
@@ -32,7 +32,7 @@ PROMPT_LOGITS_BUDGET = 1 << 28
 a request that would exceed it with others waits for a batch of its own."""
 
 
-class TransformersSampler:
+class TransformersSampler(SamplerBackend):
     """One base model in transformers, sampled with any number of LoRA adapters (standard PEFT directories)."""
 
     def __init__(self, location: str, max_batch_sequences: int = 32, max_resident: int = 8,

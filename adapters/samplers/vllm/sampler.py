@@ -5,7 +5,8 @@ the engine ahead of its request (``add_lora``), so a file that cannot be loaded 
 error, and never enters a batch with others. ``ResidentAdapters`` bounds how many stay loaded and evicts the least
 recently used with ``remove_lora``; a later request for an evicted adapter loads it again. Logprobs are vLLM's raw
 logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens, under
-an output constraint too (``adapters.samplers.vllm.patches`` keeps them from being computed on the grammar-masked logits).
+an output constraint too (``adapters.samplers.vllm.patches`` keeps them from being computed on the grammar-masked
+logits).
 
 vLLM runs with its V1 model runner and the corrections of ``adapters.samplers.vllm.patches`` (see there why).
 If the engine dies, the request fails as a server error and ``on_engine_dead`` is called: the Ray actor then exits,
@@ -31,6 +32,7 @@ from adapters.samplers.interface import (
     OnToken,
     ResidentAdapters,
     Restarting,
+    SamplerBackend,
     SamplerFacts,
 )
 from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS, VLLMOptions
@@ -44,7 +46,7 @@ class EngineDead(RuntimeError):
     """The vLLM engine died; this replica cannot serve until it is restarted."""
 
 
-class VLLMSampler:
+class VLLMSampler(SamplerBackend):
     """One base model in a vLLM ``AsyncLLM`` engine, sampled with any number of LoRA adapters."""
 
     def __init__(self, location: str, max_resident: int = 8, dtype: str = "auto", max_model_len: int | None = None,
@@ -57,8 +59,8 @@ class VLLMSampler:
         if options.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"vLLM accepts a max LoRA rank of {', '.join(map(str, VLLM_LORA_RANKS))}; "
                              f"got {options.max_lora_rank}")
-        # The runner adapters.samplers.vllm.patches corrects, on every platform (set before vLLM reads its environment); and no
-        # usage statistics sent to vLLM's servers from a self-hosted server, unless the operator says otherwise.
+        # The runner adapters.samplers.vllm.patches corrects, on every platform (set before vLLM reads its
+        # environment); and no usage statistics sent to vLLM's servers from a self-hosted server, unless the operator says otherwise.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         from vllm.config import StructuredOutputsConfig
@@ -215,9 +217,10 @@ class VLLMSampler:
                 await self.engine.remove_lora(evicted)
                 log.info("adapter evicted from vLLM sampler: lora id %d", evicted,
                          extra={"event": "adapter_evicted", "slot": evicted})
-            # The name is unique per load: vLLM's prefix cache keys on it, and KV computed with older weights
-            # under the same key must never be reused for newer ones.
-            lora = LoRARequest(f"{adapter.key}#{slot.slot_id}", slot.slot_id, adapter.directory)
+            # Named by its slot, like the transformers sampler's slots: every load gets a fresh slot id, so the name
+            # is unique per load. vLLM's prefix cache keys on it, and KV computed with older weights under the same
+            # adapter key must never be reused for newer ones.
+            lora = LoRARequest(f"slot_{slot.slot_id}", slot.slot_id, adapter.directory)
             if slot.load:
                 await self.engine.add_lora(lora)
                 log.info("adapter loaded into vLLM sampler: %s (lora id %d)", adapter.key, slot.slot_id,
@@ -242,8 +245,9 @@ class VLLMSampler:
 
 
 def _structured_outputs(constraint: OutputConstraint | None):
-    """vLLM's form of an output constraint. Its ``json_object`` compiles ``adapters.samplers.grammar.JSON_OBJECT_SCHEMA``, as
-    the transformers sampler does for a constraint without a schema."""
+    """vLLM's form of an output constraint. Its ``json_object`` compiles
+    ``adapters.samplers.grammar.JSON_OBJECT_SCHEMA``, as the transformers sampler does for a constraint without a
+    schema."""
     from vllm.sampling_params import StructuredOutputsParams
 
     if constraint is None:

@@ -44,11 +44,11 @@ async def retrieve_futures(owner: NamedDependency[str], services: NamedDependenc
     target = data.target
     if target.cloned_sampler_id < 0 or data.prev_cursor < 0:
         raise UserError("cloned_sampler_id and prev_cursor must not be negative")
-    if services.records.sampler(target.sampling_session_id, owner) is None:
+    if services.records.samplers.sampler(target.sampling_session_id, owner) is None:
         raise NotFoundException(f"unknown sampling session {target.sampling_session_id!r}")
     group = poll_group(target.sampling_session_id, target.cloned_sampler_id * 1_000_000_000)
     if data.retrieved_request_ids:
-        services.records.forget_results(owner, group, data.retrieved_request_ids[:MAX_COMPLETIONS_PER_POLL])
+        services.records.futures.forget_results(owner, group, data.retrieved_request_ids[:MAX_COMPLETIONS_PER_POLL])
     hold = services.config.poll_hold_seconds if data.timeout is None else max(0.0, min(
         data.timeout, services.config.poll_hold_seconds))
     finished = await services.hub.wait_group(owner, group, data.prev_cursor, hold, MAX_COMPLETIONS_PER_POLL)
@@ -67,7 +67,7 @@ async def cancel_future(owner: NamedDependency[str], services: NamedDependency[S
     request_id = data.get("request_id")
     if not isinstance(request_id, str):
         raise UserError("cancel_future needs {\"request_id\": \"…\"}")
-    row = services.records.future(request_id, owner)
+    row = services.records.futures.future(request_id, owner)
     if row is None:
         raise NotFoundException(f"unknown request_id {request_id!r}")
     if row["kind"] == "sample":

@@ -35,7 +35,7 @@ async def join_sampling_session(owner: NamedDependency[str], services: NamedDepe
                                 data: Annotated[types.JoinSamplingSessionRequest, Body()]
                                 ) -> types.JoinSamplingSessionResponse:
     """An unpickled sampling client asks for its clone number, so clones never share a block of ``seq_id``s."""
-    counter = services.records.join_sampler(data.sampling_session_id, owner)
+    counter = services.records.samplers.join_sampler(data.sampling_session_id, owner)
     if counter is None:
         raise NotFound(f"unknown sampling session {data.sampling_session_id!r}")
     return types.JoinSamplingSessionResponse(client_counter=counter)
@@ -57,7 +57,7 @@ async def metrics(owner: NamedDependency[str], services: NamedDependency[Service
     An operator key (``compat-server keys create --admin``) sees the server's figures instead: every tenant's
     counts together, the sampler replicas' load and resident adapters, how many training requests shared each
     trainer batch, and all futures' latencies. The same server-wide figures go to the OpenTelemetry export."""
-    scope = None if services.records.is_admin(owner) else owner
+    scope = None if services.records.tenants.is_admin(owner) else owner
     answer = {"scope": "server" if scope is None else "key", "sampling": await services.sampling.metrics(scope),
               "requests": services.quota.usage(owner), "futures": services.hub.latency(scope)}
     if scope is None:

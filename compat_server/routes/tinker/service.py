@@ -41,9 +41,9 @@ async def client_dynamic_config(owner: NamedDependency[str]) -> types.ClientDyna
 async def create_session(owner: NamedDependency[str], services: NamedDependency[Services],
                          data: Annotated[types.CreateSessionRequest, Body()]) -> types.CreateSessionResponse:
     session_id = str(uuid.uuid4())
-    services.records.create_session(session_id, owner, tags=data.tags, user_metadata=data.user_metadata or {},
-                                    sdk_version=data.sdk_version, project_id=data.project_id,
-                                    display_name=data.display_name)
+    services.records.runs.create_session(session_id, owner, tags=data.tags, user_metadata=data.user_metadata or {},
+                                         sdk_version=data.sdk_version, project_id=data.project_id,
+                                         display_name=data.display_name)
     log.info("session created: %s (sdk %s)", session_id, data.sdk_version)
     return types.CreateSessionResponse(session_id=session_id)
 
@@ -52,13 +52,13 @@ async def create_session(owner: NamedDependency[str], services: NamedDependency[
 async def session_heartbeat(owner: NamedDependency[str], services: NamedDependency[Services],
                             data: Annotated[types.SessionHeartbeatRequest, Body()]) -> types.SessionHeartbeatResponse:
     """An unknown session answers 410 Gone, which stops the SDK's heartbeat loop instead of retrying forever."""
-    row = services.records.session(data.session_id, owner)
+    row = services.records.runs.session(data.session_id, owner)
     if row is None:
         raise ClientException(f"unknown session_id {data.session_id!r}", status_code=410)
     if row["finish_reason"] == "expired":
         raise ClientException(f"session {data.session_id} expired after missing heartbeats; start a new one",
                               status_code=410)
-    services.records.heartbeat(data.session_id)
+    services.records.runs.heartbeat(data.session_id)
     return types.SessionHeartbeatResponse(type="session_heartbeat")
 
 
@@ -67,7 +67,7 @@ async def finish_session(session_id: FromPath[str], owner: NamedDependency[str],
                          data: Annotated[dict[str, Any], Body()]) -> dict:
     """Closing a session records why (success / errored / interrupted; the first reason given wins) and ends it:
     its training runs leave the trainer (the SDK rejects further operations on a closed session anyway)."""
-    row = services.records.session(session_id, owner)
+    row = services.records.runs.session(session_id, owner)
     if row is None:
         raise UserError(f"unknown session_id {session_id!r}")
     reason = data.get("reason")
@@ -84,7 +84,7 @@ async def finish_session(session_id: FromPath[str], owner: NamedDependency[str],
 async def telemetry(owner: NamedDependency[str], services: NamedDependency[Services],
                     data: Annotated[types.TelemetrySendRequest, Body()]) -> types.TelemetryResponse:
     """SDK telemetry is accepted and counted, not stored: it holds nothing the operator needs."""
-    services.records.count_telemetry(owner, data.session_id, len(data.events))
+    services.records.runs.count_telemetry(owner, data.session_id, len(data.events))
     return types.TelemetryResponse(status="accepted")
 
 

@@ -1,0 +1,145 @@
+"""Which weights a sample request samples: a base model alone, a saved sampler checkpoint, or unnamed sampler weights
+(a ``snapshot``, or a training model's shared ``inflight`` weights), resolved from a sampling session, a
+``model_path``, a ``base_model`` or an OpenAI ``model`` value, and checked again each time a request runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from tinker import types
+
+from adapters.models.resolve import BaseModelSpec
+from adapters.samplers.interface import AdapterRef
+from compat_server.records import Records
+from compat_server.runs.checkpoint_store import CheckpointStore, parse_path
+from compat_server.sampling.ephemeral import EphemeralWeights
+from shims.errors import NotFound, UserError
+
+
+class WeightsKind(StrEnum):
+    """What a sampling session samples from (its records' ``kind``)."""
+
+    BASE = "base"
+    """The base model alone."""
+    CHECKPOINT = "checkpoint"
+    """A sampler checkpoint saved under a name (``save_weights_for_sampler``): one save of it, by uid."""
+    SNAPSHOT = "snapshot"
+    """Unnamed weights saved by ``save_weights_and_get_sampling_client`` (``EphemeralWeights``)."""
+    INFLIGHT = "inflight"
+    """The training model's latest unnamed ``inflight`` save: weights that move on with each such save."""
+
+
+class ModelNotFound(NotFound):
+    """A model name or path that names nothing this caller may sample (the OpenAI routes answer 404)."""
+
+
+def _base_weights() -> AdapterRef | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one request samples from: a base model, and the weights on it. ``weights()`` is called when the request
+    runs and checks again, at that moment, that the caller may still use them: a checkpoint unpublished, deleted,
+    saved again under its name or expired since the request (or its sampling session) began is refused then."""
+
+    base_model: str
+    owner: str
+    """The key it samples for: its metrics count the request."""
+    weights: Callable[[], AdapterRef | None] = _base_weights
+
+
+class SamplerWeights:
+    """Resolves what a request, a sampling session or a model name samples, checking the caller may use it."""
+
+    def __init__(self, records: Records, checkpoints: CheckpointStore, ephemeral: EphemeralWeights,
+                 base_models: dict[str, BaseModelSpec]) -> None:
+        self.records = records
+        self.checkpoints = checkpoints
+        self.ephemeral = ephemeral
+        self.base_models = base_models
+
+    def base(self, name: str) -> BaseModelSpec:
+        spec = self.base_models.get(name)
+        if spec is None:
+            raise UserError(f"unknown base model {name!r}; this server serves: {', '.join(self.base_models)}")
+        return spec
+
+    def sampler_checkpoint(self, owner: str, path: str, uid: str | None = None) -> tuple[dict, AdapterRef]:
+        """The checkpoint's record and the weights it names, checked now (given ``uid``: still that save). The key
+        and directory are the save's own, so weights saved again under a reused name are never mistaken for the
+        ones a sampler already holds."""
+        parsed = parse_path(path)
+        if parsed.checkpoint_type != "sampler":
+            held = "training state (weights/)" if parsed.checkpoint_type == "training" else "exported weights"
+            raise UserError(f"{path} holds {held}; sample from sampler weights instead: save them with "
+                            "save_weights_for_sampler and use the tinker://…/sampler_weights/… path it returns")
+        ckpt, directory = self.checkpoints.readable(self.records, owner, path, "sampler checkpoint", uid)
+        self.base(ckpt["base_model"])  # trained on a base model this server no longer serves
+        return ckpt, AdapterRef(f"{path}@{ckpt['uid']}", str(directory))
+
+    def checkpoint_target(self, owner: str, path: str) -> Target:
+        """A sampler checkpoint readable by ``owner`` now, as a target that stays on this very save."""
+        ckpt, _ = self.sampler_checkpoint(owner, path)
+        return Target(ckpt["base_model"], owner, lambda: self.sampler_checkpoint(owner, path, ckpt["uid"])[1])
+
+    def of_session(self, owner: str, sampler_id: str) -> AdapterRef | None:
+        """The weights of a sampling session, re-read and re-checked at each use (inflight weights may have moved;
+        the checkpoint a session was opened on may have been unpublished, deleted, replaced or expired)."""
+        row = self.records.samplers.sampler(sampler_id, owner)
+        if row is None:
+            raise NotFound(f"unknown sampling session {sampler_id!r}")
+        kind = WeightsKind(row["kind"])
+        if kind is WeightsKind.BASE:
+            return None
+        if kind is WeightsKind.CHECKPOINT:
+            return self.sampler_checkpoint(owner, row["model_path"], row["checkpoint_uid"] or "")[1]
+        if kind is WeightsKind.INFLIGHT:
+            ref = self.ephemeral.inflight(row["model_id"])
+            if ref is None:
+                raise UserError(f"the inflight weights of sampling session {row['id']} are gone (the server "
+                                "restarted); save weights for sampling again")
+            return ref
+        if not Path(row["adapter_dir"]).exists():
+            raise UserError(f"the weights of sampling session {row['id']} are gone: the server keeps the last "
+                            f"{self.ephemeral.keep} unnamed saves per training model (--ephemeral-keep) and "
+                            "none across restarts; save weights for sampling again")
+        return AdapterRef(row["adapter_key"], row["adapter_dir"])
+
+    def for_request(self, owner: str, req: types.SampleRequest) -> tuple[Target, dict | None]:
+        """What the request samples from, checked now (and again when it runs), and its sampling session's row
+        (None for a request naming base_model / model_path directly)."""
+        if req.sampling_session_id is not None:
+            row = self.records.samplers.sampler(req.sampling_session_id, owner)
+            if row is None:
+                raise NotFound(f"unknown sampling session {req.sampling_session_id!r}")
+            target = Target(row["base_model"], owner, lambda: self.of_session(owner, row["id"]))
+        elif req.model_path:
+            target = self.checkpoint_target(owner, req.model_path)
+            row = None
+        elif req.base_model:
+            target, row = Target(self.base(req.base_model).name, owner), None
+        else:
+            raise UserError("a sample request needs a sampling_session_id, a model_path or a base_model")
+        target.weights()
+        return target, row
+
+    def for_model(self, owner: str, model: str) -> Target:
+        """An OpenAI ``model`` value → what to sample: a base model name, a ``tinker://…/sampler_weights/…`` path,
+        or ``<base>;<path>``. Unknown names raise ``ModelNotFound``."""
+        base_name, _, path = model.rpartition(";")
+        if not path.startswith("tinker://"):
+            if path not in self.base_models:
+                raise ModelNotFound(f"the model {model!r} does not exist; GET /v1/models lists the models you can use")
+            return Target(path, owner)
+        try:
+            target = self.checkpoint_target(owner, path)
+        except UserError as exc:
+            raise ModelNotFound(str(exc)) from None
+        if base_name and base_name != target.base_model:
+            raise UserError(f"{path} was trained on {target.base_model}, not {base_name}")
+        return target

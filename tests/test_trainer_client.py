@@ -1,0 +1,74 @@
+"""The server's typed trainer client against the trainer actor: each operation the client offers is a
+``MultiLoRATrainer`` method with the same parameters, so a renamed or re-shaped actor method fails here rather than in
+a request at run time; and each call reaches the actor method of its name with the arguments it was given."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from adapters.trainer.actor import MultiLoRATrainer
+from adapters.trainer.interface import LoraSpec
+from adapters.trainer.pool import TrainerPlacement, TrainerPool
+from compat_server.jobs.trainer_client import TrainerClient
+
+POOL_ONLY = {"model_facts", "run_batch", "forward_backward_batch", "optim_steps"}
+"""Actor methods the pool calls itself (start-up and restart checks, batched steps) or only in-process code does."""
+
+
+def _public(cls: type) -> set[str]:
+    return {name for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+
+
+def _parameters(cls: type, name: str) -> list[tuple[str, object, object]]:
+    signature = inspect.signature(getattr(cls, name))
+    return [(p.name, p.annotation, p.default) for p in signature.parameters.values() if p.name != "self"]
+
+
+def test_the_client_offers_the_trainer_s_operations_with_the_actor_s_parameters():
+    client, actor = _public(TrainerClient), _public(MultiLoRATrainer)
+    assert client <= actor, f"the client calls methods the trainer does not have: {client - actor}"
+    assert actor - client == POOL_ONLY
+    for name in client - {"forward_backward"}:  # forward_backward sends one StepRequest, batched by the pool
+        assert _parameters(TrainerClient, name) == _parameters(MultiLoRATrainer, name), name
+        assert (inspect.signature(getattr(TrainerClient, name)).return_annotation
+                == inspect.signature(getattr(MultiLoRATrainer, name)).return_annotation), name
+
+
+class _FakeActor:
+    """Records ``actor.<method>.remote(*args)`` as Ray would receive it, and answers at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, method: str):
+        calls = self.calls
+
+        class Remote:
+            @staticmethod
+            def remote(*args, **kwargs):
+                calls.append((method, args, kwargs))
+                answer = asyncio.get_running_loop().create_future()
+                answer.set_result(f"{method} done")
+                return answer
+
+        return Remote
+
+
+@pytest.mark.parametrize(("operation", "args"), [
+    ("create", ("m", LoraSpec(rank=2, seed=1))),
+    ("unload", ("m",)),
+    ("save_state", ("m", "/ckpt")),
+    ("load_state", ("m", "/ckpt", True)),
+    ("save_for_sampler", ("m", "/ckpt")),
+    ("save_for_export", ("m", "/ckpt")),
+    ("score", (None, [1, 2, 3])),
+])
+def test_each_operation_is_one_call_of_the_actor_method_of_its_name(operation, args):
+    pool = TrainerPool([], TrainerPlacement())
+    actor = pool.actors["base"] = _FakeActor()
+    answer = asyncio.run(getattr(TrainerClient(pool, "base"), operation)(*args))
+    assert actor.calls == [(operation, args, {})]
+    assert answer == (None if operation not in {"load_state", "score"} else f"{operation} done")
