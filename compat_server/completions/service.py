@@ -124,7 +124,7 @@ class CompletionsService:
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         model = self.model_name(req.model)
-        target = self.sampling.resolve_model(owner, model)
+        target = self.sampling.weights.for_model(owner, model)
         vocab = self.vocabulary(target.base_model)
         tools = tool_mode(req) if chat else ToolMode()
         if chat:

@@ -26,7 +26,7 @@ async def health() -> Response:
 
 def _owner_vocab(services: Services, owner: str, model: str | None) -> tuple[Vocabulary, str]:
     completions = services.completions
-    target = completions.sampling.resolve_model(owner, completions.model_name(model))
+    target = completions.sampling.weights.for_model(owner, completions.model_name(model))
     return completions.vocabulary(target.base_model), target.base_model
 
 

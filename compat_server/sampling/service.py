@@ -70,18 +70,6 @@ class SamplingService:
         self.weights = SamplerWeights(records, checkpoints, self.ephemeral, base_models)
         self.sessions = SamplingSessions(records, self.weights, self.ephemeral)
 
-    # ---- sampling sessions ----------------------------------------------------------------------------------------
-    def create_sampling_session(self, owner: str, req: types.CreateSamplingSessionRequest) -> str:
-        return self.sessions.create(owner, req)
-
-    def get_sampler(self, owner: str, sampler_id: str) -> types.GetSamplerResponse:
-        return self.sessions.get(owner, sampler_id)
-
-    def register_ephemeral(self, owner: str, model_row: dict, sampling_session_seq_id: int | None, kind: str,
-                           directory: Path) -> str:
-        """Record a sampling session over weights just saved into ``directory`` (``self.ephemeral.directory``)."""
-        return self.sessions.register_ephemeral(owner, model_row, sampling_session_seq_id, kind, directory)
-
     # ---- the drift probe ------------------------------------------------------------------------------------------
     async def _score(self, base_model: str, adapter: AdapterRef | None, tokens: list[int]) -> list[float]:
         """The trainer's logprobs of ``tokens`` under the same weights (for the drift probe)."""
@@ -121,10 +109,6 @@ class SamplingService:
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # ---- the one sampling path (Tinker asample and the OpenAI routes) --------------------------------------------
-    def resolve_model(self, owner: str, model: str) -> Target:
-        """An OpenAI ``model`` value → what to sample (``SamplerWeights.for_model``)."""
-        return self.weights.for_model(owner, model)
-
     async def run_job(self, target: Target, job: SampleJob) -> SampleResult:
         """Sample ``job`` on the pool, counting it in the metrics (the server's and its key's)."""
         base_model = target.base_model

@@ -157,7 +157,7 @@ class CheckpointCalls:
             staging.rename(directory)
         finally:
             self.checkpoints.discard(staging)
-        sampler_id = self.sampling.register_ephemeral(owner, row, req.sampling_session_seq_id, req.kind, directory)
+        sampler_id = self.sampling.sessions.register_ephemeral(owner, row, req.sampling_session_seq_id, req.kind, directory)
         return json_payload(types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id,
                                                                         type="save_weights_for_sampler"))
 

@@ -20,14 +20,14 @@ API = "/api/v1"
 async def create_sampling_session(owner: NamedDependency[str], services: NamedDependency[Services],
                                   data: Annotated[types.CreateSamplingSessionRequest, Body()]
                                   ) -> types.CreateSamplingSessionResponse:
-    sampler_id = services.sampling.create_sampling_session(owner, data)
+    sampler_id = services.sampling.sessions.create(owner, data)
     return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
 
 
 @get(f"{API}/samplers/{{sampler_id:str}}")
 async def get_sampler(sampler_id: FromPath[str], owner: NamedDependency[str],
                       services: NamedDependency[Services]) -> types.GetSamplerResponse:
-    return services.sampling.get_sampler(owner, sampler_id)
+    return services.sampling.sessions.get(owner, sampler_id)
 
 
 @post(f"{API}/join_sampling_session", status_code=200)
