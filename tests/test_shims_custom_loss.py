@@ -212,8 +212,8 @@ def test_declared_inputs_are_checked():
         refused(graph(), message, inputs=inputs)
 
 
-def run_graph(*steps, limits=LIMITS, logprobs=None):
-    loss = compile_custom_loss("l", INPUTS, graph(*steps), limits)
+def run_graph(*steps, limits=LIMITS, logprobs=None, output=None):
+    loss = compile_custom_loss("l", INPUTS, graph(*steps, output=output), limits)
     return run_datum(loss, torch.zeros(8) if logprobs is None else logprobs, {})
 
 
@@ -327,3 +327,96 @@ def test_a_named_device_means_the_device_the_loss_runs_on():
                         node("call_function", "a", "operator.add", [{"ref": "s"}, {"ref": "u"}]),
                         logprobs=torch.ones(4))
     assert float(loss) == 7.0 and loss.device.type == "cpu" and loss.dtype == torch.float64
+
+
+def doubling(steps: int, start: str = "logprobs") -> list:
+    """``t[i] = (t[i-1],) + (t[i-1],)``: each step makes a pair of the last value, 2**steps leaves in ``steps``
+    values (issue 31, row 4)."""
+    return [node("call_function", f"t{i}", "operator.add",
+                 [{"tuple": [{"ref": f"t{i - 1}" if i else start}]}] * 2) for i in range(steps)]
+
+
+@pytest.mark.timeout(60)
+def test_a_value_shared_many_times_over_costs_what_it_is_not_what_it_would_be_written_out():
+    with pytest.raises(UserError, match=r"nested deeper than 8 levels \(--custom-loss-max-nesting\)"):
+        run_graph(*doubling(24))
+    roomy = CustomLossLimits(max_nesting=64, max_elements=2**62)
+    loss, _ = run_graph(*doubling(50), node("call_method", "s", "sum", [X]), limits=roomy)  # 2**50 leaves
+    assert float(loss) == 0
+    with pytest.raises(UserError, match=r"node 't22' .* would bring .* to 67108872 elements"):  # 2**23 copies of 8
+        run_graph(*doubling(50), limits=CustomLossLimits(max_nesting=64))
+
+
+def test_every_argument_counts_against_the_constants_limit_references_too():
+    many = node("call_function", "c", "torch.stack", [{"tuple": [X] * 5000}])
+    refused(graph(many), "more than 4096 constants (--custom-loss-max-constants)")
+    assert LIMITS.encoded_bytes() < 8 << 20  # what a create_custom_loss body may be, before it is read
+
+
+def test_an_index_of_python_values_is_sized_before_it_allocates():
+    small = CustomLossLimits(max_elements=5000)
+    row = node("call_method", "row", "unsqueeze", [X, 0])  # [1, 100]
+    with pytest.raises(UserError, match="to 100100 elements.*allows 5000"):  # [[0] * 1000] makes [1000, 100]
+        run_graph(row, node("call_function", "k", "operator.getitem", [{"ref": "row"}, [0] * 1000]), limits=small,
+                  logprobs=torch.zeros(100))
+    zeros = node("call_function", "zeros", "operator.add", [[0] * 32, [0] * 32])
+    with pytest.raises(UserError, match="indexes with 8192 Python values; at most 4096"):  # 64 zeros, doubled 7 times
+        run_graph(row, zeros, *doubling(7, start="zeros"),
+                  node("call_function", "k", "operator.getitem", [{"ref": "row"}, {"ref": "t6"}]),
+                  logprobs=torch.zeros(100))
+    mask = [node("call_function", "m", "operator.gt", [X, 0.5]),
+            node("call_function", "k", "operator.getitem", [X, {"ref": "m"}])]  # a mask selects at most T
+    loss, _ = run_graph(*mask, node("call_method", "s", "sum", [{"ref": "k"}]), limits=CustomLossLimits(
+        max_elements=450), logprobs=torch.ones(100))
+    assert float(loss) == 100
+
+
+def test_a_value_on_another_device_and_a_loss_past_its_time_are_user_errors():
+    with pytest.raises(UserError, match="made a tensor on device meta"):
+        run_graph(node("call_method", "m", "to", [X, "meta"]), node("call_method", "s", "sum", [{"ref": "m"}]))
+    chain = [node("call_function", f"e{i}", "torch.exp", [X]) for i in range(5)]
+    with pytest.raises(UserError, match=r"ran longer than 1e-09 s \(at node 'e0'.*--custom-loss-max-seconds"):
+        run_graph(*chain, limits=CustomLossLimits(max_seconds=1e-9))
+
+
+INDEXED_UNDER_A_MEMORY_CAP = """
+import resource, sys
+import torch
+from types import SimpleNamespace
+from tinker import types
+from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
+from shims.custom_loss.run import run_datum
+from shims.errors import UserError
+
+def node(op, name, target, args=(), kwargs=None):
+    return SimpleNamespace(op=op, name=name, target=target, args=list(args), kwargs=kwargs or {})
+
+X = {"ref": "logprobs"}
+nodes = [node("placeholder", "logprobs", "logprobs"),
+         node("call_method", "a", "unsqueeze", [X, 0]), node("call_method", "b", "unsqueeze", [X, 1]),
+         node("call_function", "c", "operator.mul", [{"ref": "a"}, {"ref": "b"}]),  # [1000, 1000]
+         node("call_method", "d", "unsqueeze", [{"ref": "c"}, 0]),  # [1, 1000, 1000]
+         node("call_function", "k", "operator.getitem", [{"ref": "d"}, [0] * 1024]),  # [1024, 1000, 1000]: 4 GB
+         node("call_method", "s", "sum", [{"ref": "k"}]),
+         node("output", "output", "output", [{"tuple": [{"ref": "s"}, {"dict": {}}]}])]
+loss = compile_custom_loss("l", [types.CustomLossInput(name="logprobs", rank=1)], nodes, CustomLossLimits())
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    run_datum(loss, torch.zeros(1000), {})
+except UserError as exc:
+    print(exc)
+"""
+
+
+def test_an_index_is_refused_before_its_result_takes_memory():
+    """Row 7 as the trainer meets it: ``d[[0] * 1024]`` asks for 4 GB. Run under an address-space cap of 1 GiB more
+    than the process holds, the refusal must come from the element budget, before the allocation could fail."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INDEXED_UNDER_A_MEMORY_CAP], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "node 'k' (operator.getitem) would bring" in done.stdout, done.stdout
+    assert "--custom-loss-max-elements" in done.stdout

@@ -3,12 +3,15 @@ request, and every other request gets the rows, loss and gradient it gets alone.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import pytest
 import torch
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from adapters.trainer.actor import LoraSpec, MultiLoRATrainer, StepRequest
+from adapters.trainer.interface import AdamHyper, OptimRequest
 from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -38,6 +41,11 @@ def datum(rng, n: int, scale: float) -> DatumArrays:
     return DatumArrays(tokens=tokens[:-1], loss_fn_inputs={
         "target_tokens": tokens[1:], "weights": rng.uniform(0, 1, size=n).astype(np.float32),
         "scale": np.array(scale, np.float32), "ignored": np.zeros(n, np.float32)})
+
+
+def plain(d: DatumArrays) -> DatumArrays:
+    """The datum for cross_entropy: its tokens, targets and weights."""
+    return DatumArrays(tokens=d.tokens, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "weights")})
 
 
 def grads(trainer, model_id):
@@ -100,3 +108,47 @@ def test_custom_datums_are_checked_before_anything_runs(trainer):
     assert forward.metrics["loss:sum"] == pytest.approx(float(forward.outputs[0]["logprobs"].sum()), rel=1e-5)
     with pytest.raises(UserError, match="unknown loss_fn 'custom'"):  # only ever with its stored loss
         trainer.forward_backward("d", [plain], "custom", {"loss_id": "x"}, False)
+
+
+def on_meta(logprobs, weights, scale):
+    return logprobs.to("meta").sum(), {}  # passes every check made before it runs: its value is on no device
+
+
+def floor_divided(logprobs, weights, scale):
+    return operator.floordiv(logprobs, logprobs).sum(), {}  # runs forward; its backward raises
+
+
+def bad_metric(logprobs, weights, scale):
+    return -logprobs.sum(), {"custom/bad:sum": logprobs.to("meta").sum()}
+
+
+@pytest.mark.parametrize("hostile", [on_meta, floor_divided, bad_metric])
+def test_a_custom_loss_that_breaks_the_shared_passes_fails_alone(trainer, hostile):
+    """Issue 31, rows 1 and 2: a custom loss whose value is on another device, whose backward raises, or whose
+    metric cannot be read, in one ``run_batch`` with another run's forward_backward and a third run's optim step.
+    The hostile request alone fails, as a user error; the other run gets the loss, logprobs and gradient it gets
+    alone, and the optim step is reported as applied (it was)."""
+    rng = np.random.default_rng(11)
+    victim, stepper, attacker = (f"{hostile.__name__}-{role}" for role in ("victim", "stepper", "attacker"))
+    for model_id in (victim, stepper, attacker):
+        trainer.create(model_id, LoraSpec(rank=4, seed=3))
+    honest = StepRequest(victim, [plain(datum(rng, 7, 1.0)), plain(datum(rng, 4, 1.0))], "cross_entropy", {}, False)
+    alone = trainer.forward_backward_batch([honest])[0]
+    alone_grads = grads(trainer, victim)
+    trainer.adapters[victim].optimizer.zero_grad(set_to_none=True)
+    trainer.forward_backward(stepper, [plain(datum(rng, 5, 1.0))], "cross_entropy", {}, False)
+    step_before = trainer.adapters[stepper].step
+
+    outcomes = trainer.run_batch([
+        OptimRequest(stepper, AdamHyper(learning_rate=1e-2)), honest,
+        StepRequest(attacker, [datum(rng, 6, 1.0)], "custom", {}, False, custom_loss=compiled(hostile))])
+    assert isinstance(outcomes[0], dict) and outcomes[0]["step"] == step_before + 1
+    assert trainer.adapters[stepper].step == step_before + 1
+    assert isinstance(outcomes[2], UserError) and f"custom loss {hostile.__name__!r}" in str(outcomes[2])
+    assert not grads(trainer, attacker)
+    together = outcomes[1]
+    assert together.metrics == pytest.approx(alone.metrics, rel=1e-5)
+    for x, y in zip(alone.outputs, together.outputs, strict=True):
+        np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5)
+    for x, y in zip(alone_grads, grads(trainer, victim), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)

@@ -98,11 +98,19 @@ class MultiLoRATrainer:
     def run_batch(self, requests: list[StepRequest | OptimRequest]) -> list[StepResult | dict[str, float] | UserError]:
         """What the trainer pool sends: any runs' optim steps and forward / forward_backward requests, each run at
         most once, in one call (one Ray round trip). The optim steps go first: a run's next forward_backward cannot
-        be in the same call as its optim step, so the order between runs changes nothing."""
+        be in the same call as its optim step, so the order between runs changes nothing. Each request gets its own
+        outcome, as it happened: an optim step that was applied is reported applied whatever the forward passes
+        beside it do."""
         outcomes: list = [None] * len(requests)
         for kind, run in ((OptimRequest, self.optim_steps), (StepRequest, self.forward_backward_batch)):
             picked = [i for i, request in enumerate(requests) if isinstance(request, kind)]
-            for index, outcome in zip(picked, run([requests[i] for i in picked]), strict=True):
+            if not picked:
+                continue
+            try:
+                results = run([requests[i] for i in picked])
+            except Exception as exc:  # noqa: BLE001 - the other kind's outcomes stand: the optim steps were applied
+                results = [RuntimeError(f"{type(exc).__name__}: {exc}")] * len(picked)
+            for index, outcome in zip(picked, results, strict=True):
                 outcomes[index] = outcome
         return outcomes
 

@@ -7,6 +7,7 @@ that a long datum never holds all of its logits at once.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -19,6 +20,8 @@ from shims.custom_loss.run import CustomLossBatch, check_custom_datum
 from shims.errors import UserError
 from shims.losses import check_datum, datum_loss, resolve_config
 from shims.tinker.training_wire import DatumArrays
+
+log = logging.getLogger("compat_server.trainer")
 
 LOGITS_CHUNK_ELEMENTS = 1 << 26
 """At most this many logits (positions × vocabulary) exist at once per datum: 256 MiB in float32, ~440 positions at a
@@ -67,8 +70,29 @@ class MixedForward:
             ready.append((index, request, adapter, config))
         if ready:
             ready.sort(key=lambda item: item[2].name)  # each adapter's rows become one slice (adapters.lora.layers)
-            self._run_mixed(ready, outcomes, started)
+            self._run_isolated(ready, outcomes, started)
         return outcomes  # type: ignore[return-value]
+
+    def _run_isolated(self, ready: list[tuple[int, StepRequest, Adapter, dict]],
+                      outcomes: list[StepResult | UserError | None], started: float) -> None:
+        """Run ``ready`` as one batch. Whatever one request does to the shared passes — a loss whose backward raises,
+        an input the forward cannot take, memory it runs out of — the batch then added no gradient anywhere
+        (``_run_mixed`` adds them only once everything succeeded), and each request runs again alone: only the one
+        that fails gets an error, and every other gets exactly what it gets alone."""
+        try:
+            self._run_mixed(ready, outcomes, started)
+            return
+        except Exception as exc:  # noqa: BLE001 - which request caused it is found by running them apart
+            failure = exc
+        if len(ready) == 1:
+            index, request, _, _ = ready[0]
+            outcomes[index] = _failed(request, failure)
+            return
+        log.warning("a mixed batch of %d requests failed (%s: %s); running them one by one", len(ready),
+                    type(failure).__name__, str(failure)[:200])
+        del failure  # its traceback holds the failed batch's activations
+        for item in ready:
+            self._run_isolated([item], outcomes, started)
 
     def _run_mixed(self, ready: list[tuple[int, StepRequest, Adapter, dict]],
                    outcomes: list[StepResult | UserError | None], started: float) -> None:
@@ -76,50 +100,65 @@ class MixedForward:
         names = [adapter.name for _, request, adapter, _ in ready for _ in request.data]
         with torch.set_grad_enabled(not all(request.forward_only for _, request, _, _ in ready)):
             hidden = self.hidden_states(data, names)
-            row, trained, learning = 0, [], set()
+            row, trained, learning = 0, [], []
             for index, request, adapter, config in ready:
-                total = torch.zeros((), device=self.device)
-                outputs = []
-                custom = CustomLossBatch(request.custom_loss) if request.custom_loss is not None else None
                 first, row = row, row + len(request.data)
                 try:
-                    for offset, d in enumerate(request.data):
-                        targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
-                        target_logprobs = self.target_logprobs(hidden[first + offset, : d.tokens.size],
-                                                                adapter.name, targets)
-                        inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
-                        total = total + (custom.datum(target_logprobs, inputs) if custom is not None else
-                                         datum_loss(request.loss_fn, target_logprobs, inputs, config))
-                        outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
-                except UserError as exc:  # a custom loss's own failure: this request's error, not the batch's
+                    total, result = self._request_loss(request, adapter, config, hidden[first:row])
+                except UserError as exc:  # this request's own failure, not the batch's
                     outcomes[index] = exc
-                    continue
-                loss = float(total.detach())
-                if not math.isfinite(loss):  # before backward: a bad request must not touch accumulated gradients
-                    outcomes[index] = UserError(f"the loss is not finite ({loss}); check the loss inputs")
-                    continue
-                if not request.forward_only and custom is not None and not total.requires_grad:
-                    outcomes[index] = UserError(f"custom loss {custom.loss.name!r} does not depend on logprobs, so "
-                                                "it has no gradient")
                     continue
                 if not request.forward_only:
                     trained.append(total)
-                    learning.add(request.model_id)
-                metrics = {**(custom.metrics() if custom is not None else {}), "loss:sum": loss}
-                outcomes[index] = StepResult(outputs=outputs, metrics=metrics,
-                                             num_tokens=int(sum(d.tokens.size for d in request.data)), seconds=0.0)
+                    learning.extend(adapter.params)
+                outcomes[index] = result
             if trained:
-                # The layers concatenate every adapter's rows, so autograd also reaches the adapters only being read
-                # here, with exact zeros; their gradient state must stay as it was (None stays None).
-                reading = [p for _, request, adapter, _ in ready if request.model_id not in learning
-                           for p in adapter.params if p.grad is None]
-                torch.stack(trained).sum().backward()
-                for p in reading:
-                    p.grad = None
+                # Gradients of the learning adapters only (the layers concatenate every adapter's rows, so a plain
+                # backward would also reach the adapters only being read), added to theirs only once the whole
+                # backward has succeeded: a failing backward leaves every adapter's gradient as it was.
+                grads = torch.autograd.grad(torch.stack(trained).sum(), learning, allow_unused=True)
+                with torch.no_grad():
+                    for param, grad in zip(learning, grads, strict=True):
+                        if grad is None:
+                            continue
+                        if param.grad is None:
+                            param.grad = grad.contiguous()
+                        else:
+                            param.grad += grad
         seconds = time.perf_counter() - started
         for index, _, _, _ in ready:
             if isinstance(outcomes[index], StepResult):
                 outcomes[index].seconds = seconds
+
+    def _request_loss(self, request: StepRequest, adapter: Adapter, config: dict,
+                      hidden: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
+        """One request's summed loss over its rows of ``hidden``, and its result; a ``UserError`` for a loss the
+        client got wrong (a custom loss that fails, or makes a loss that is not finite or has no gradient)."""
+        custom = CustomLossBatch(request.custom_loss) if request.custom_loss is not None else None
+        total = torch.zeros((), device=self.device)
+        outputs = []
+        try:
+            for offset, d in enumerate(request.data):
+                targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
+                target_logprobs = self.target_logprobs(hidden[offset, : d.tokens.size], adapter.name, targets)
+                inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
+                total = total + (custom.datum(target_logprobs, inputs) if custom is not None else
+                                 datum_loss(request.loss_fn, target_logprobs, inputs, config))
+                outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
+            loss = float(total.detach())
+            metrics = {**(custom.metrics() if custom is not None else {}), "loss:sum": loss}
+        except UserError:
+            raise
+        except Exception as exc:
+            if custom is None:
+                raise
+            raise UserError(f"custom loss {custom.loss.name!r} failed: {type(exc).__name__}: {exc}") from None
+        if not math.isfinite(loss):  # before backward: a bad request must not touch accumulated gradients
+            raise UserError(f"the loss is not finite ({loss}); check the loss inputs")
+        if not request.forward_only and custom is not None and not total.requires_grad:
+            raise UserError(f"custom loss {custom.loss.name!r} does not depend on logprobs, so it has no gradient")
+        return total, StepResult(outputs=outputs, metrics=metrics,
+                                 num_tokens=int(sum(d.tokens.size for d in request.data)), seconds=0.0)
 
     def hidden_states(self, data: list[DatumArrays], names: list[str] | None) -> torch.Tensor:
         """Final hidden states of a right-padded batch, row ``i`` through adapter ``names[i]`` (None: the base
@@ -154,3 +193,13 @@ class MixedForward:
         chunks = [torch.utils.checkpoint.checkpoint(score, hidden[i:i + size], flat[i:i + size], use_reentrant=False)
                   if recompute else score(hidden[i:i + size], flat[i:i + size]) for i in range(0, n, size)]
         return torch.cat(chunks).reshape(targets.shape)
+
+
+def _failed(request: StepRequest, exc: Exception) -> UserError | Exception:
+    """What a request that failed on its own gets: a user error when its custom loss (the client's code) failed
+    outside the interpreter's checks, in backward for instance; otherwise the failure itself, a server error."""
+    if isinstance(exc, UserError):
+        return exc
+    if request.custom_loss is not None:
+        return UserError(f"custom loss {request.custom_loss.name!r} failed: {type(exc).__name__}: {exc}")
+    return RuntimeError(f"{type(exc).__name__}: {exc}")

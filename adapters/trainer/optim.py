@@ -35,10 +35,10 @@ class Optimizers:
             raise outcome
         return outcome
 
-    def optim_steps(self, requests: list[OptimRequest]) -> list[dict[str, float] | UserError]:
+    def optim_steps(self, requests: list[OptimRequest]) -> list[dict[str, float] | Exception]:
         """Several runs' optim steps (each run at most once); one outcome per request, in order: its metrics, or the
         ``UserError`` that request alone gets (the others still step)."""
-        outcomes: list[dict[str, float] | UserError] = []
+        outcomes: list[dict[str, float] | Exception] = []
         together: dict[tuple, list[Adapter]] = {}
         stepped: dict[str, tuple[Adapter, dict[str, float]]] = {}
         for request in requests:
@@ -60,7 +60,15 @@ class Optimizers:
             stepped[request.model_id] = (adapter, metrics)
             outcomes.append(metrics)
         for hyper_fields, adapters in together.items():
-            adamw_together([a.optimizer for a in adapters], AdamHyper(*hyper_fields))
+            try:
+                adamw_together([a.optimizer for a in adapters], AdamHyper(*hyper_fields))
+            except Exception as exc:  # noqa: BLE001 - those runs alone did not step; the others' steps stand
+                failed = {id(a) for a in adapters}
+                for model_id, (adapter, _) in list(stepped.items()):
+                    if id(adapter) in failed:
+                        del stepped[model_id]
+                        outcomes[[r.model_id for r in requests].index(model_id)] = RuntimeError(
+                            f"the optimizer step failed and was not counted: {type(exc).__name__}: {exc}")
         for adapter, metrics in stepped.values():
             adapter.optimizer.zero_grad(set_to_none=True)
             adapter.step += 1

@@ -26,7 +26,7 @@ from compat_server.telemetry import TOKENS_TRAINED
 from compat_server.training.checkpoints import CheckpointCalls
 from compat_server.training.core import TrainingCore, json_payload, model_id_for
 from compat_server.training.custom_losses import CustomLossStore
-from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
+from shims.custom_loss.graph import CustomLoss
 from shims.errors import NotFound, UserError
 from shims.tinker.training_wire import ForwardBackwardBatch, encode_forward_backward_output
 
@@ -181,15 +181,15 @@ class TrainingService:
 
         return self.core.ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
 
-    def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest, limits: CustomLossLimits,
-                           max_per_key: int, idem: str | None) -> dict:
-        """Check and store a traced loss at once (anything wrong is a 400 naming it); the future answers its id."""
+    def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest, loss: CustomLoss, max_per_key: int,
+                           idem: str | None) -> dict:
+        """Store a traced loss (``loss``: ``req``'s graph, checked) at once (anything wrong is a 400 naming it); the
+        future answers its id."""
         session = self.records.runs.session(req.session_id, owner)
         if session is None:
             raise NotFound(f"unknown session_id {req.session_id!r}")
         if session["finished"]:
             raise UserError(f"session {req.session_id} has ended; create the loss in a live session")
-        loss = compile_custom_loss(req.name, req.inputs, req.graph.nodes, limits)
         digest = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
         loss_id = self.custom_losses.add(owner, req.session_id, req.custom_loss_seq_id, loss, digest, max_per_key)
 

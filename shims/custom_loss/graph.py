@@ -65,9 +65,8 @@ class CustomLoss:
     steps: tuple[Step, ...]
     loss: Ref
     metrics: tuple[tuple[str, Ref], ...]
-    max_elements: int
-    max_items: int
-    """The longest tuple or list a step may make (``max_constants``)."""
+    limits: CustomLossLimits
+    """What running it may cost (the server's ``--custom-loss-max-*`` when it was created)."""
 
 
 def _show(value: Any) -> str:
@@ -97,6 +96,7 @@ class _Decoder:
             if not isinstance(target, str) or target not in self.names:
                 raise _fail(self.loss, where, f"refers to {_show(target)}, which is not an earlier node "
                                               "(a graph runs its nodes in order and has no cycles)")
+            self._count(where, 1)  # a reference costs what a constant does: a graph cannot hold a million of them
             return Ref(self.names[target])
         if isinstance(value, (bool, int, float, str)) or value is None:
             self._count(where, 1)
@@ -196,8 +196,7 @@ def compile_custom_loss(name: str, inputs: Sequence[Any], nodes: Sequence[Any],
     if output is None:
         raise UserError(f"custom loss {name!r}: the graph has no output node")
     loss, metrics = output
-    return CustomLoss(name=name, inputs=declared, steps=tuple(steps), loss=loss, metrics=metrics,
-                      max_elements=limits.max_elements, max_items=limits.max_constants)
+    return CustomLoss(name=name, inputs=declared, steps=tuple(steps), loss=loss, metrics=metrics, limits=limits)
 
 
 def _step(decoder: _Decoder, where: str, node: Any) -> Step:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,19 +76,6 @@ def _resolve(arg: Any, values: list, device: torch.device) -> Any:
     return arg
 
 
-def _leaves(value: Any):
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    elif isinstance(value, slice):
-        yield from _leaves([value.start, value.stop, value.step])
-    else:
-        yield value
-
-
 def _meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
@@ -96,65 +84,150 @@ def _meta(value: Any) -> Any:
     return value
 
 
-class _Budget:
-    """The tensor elements one datum's loss has made so far, against its limit."""
+def _parts(value: Any) -> Any:
+    """The values a container holds, or None for a leaf."""
+    if isinstance(value, (list, tuple)):
+        return value
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, slice):
+        return (value.start, value.stop, value.step)
+    return None
 
-    def __init__(self, loss: CustomLoss) -> None:
-        self.loss, self.used = loss, 0
+
+class _Datum:
+    """What one datum's loss has cost so far — tensor elements made, time taken — against its limits, and the checks
+    on every value a step makes.
+
+    A value may hold the same part many times over (``t = (t,) + (t,)`` doubles a tuple at every step, 2**K leaves
+    from K steps), so each distinct container is looked at once: sizing and checking cost what the values really
+    are, not what they would be written out."""
+
+    def __init__(self, loss: CustomLoss, device: torch.device) -> None:
+        self.loss, self.limits, self.device = loss, loss.limits, device
+        self.used = 0
+        self.deadline = time.monotonic() + self.limits.max_seconds
+        self._sizes: dict[int, tuple[Any, int, int]] = {}
+        """id → (the container, kept so its id stays its own; Python values in it; tensor elements in it)."""
+        self._counted: dict[int, Any] = {}
+        """The tensors (and containers) already counted in ``used``, by id, each kept alive for the same reason."""
+        self._checked: dict[int, Any] = {}
+        self._heights: dict[int, tuple[Any, int]] = {}
+
+    def size(self, value: Any) -> tuple[int, int]:
+        """``(Python values, tensor elements)`` in ``value`` as if every shared part were written out: what a step
+        that copies it (``torch.tensor``, ``cat``) would make."""
+        if isinstance(value, torch.Tensor):
+            return 0, value.numel()
+        parts = _parts(value)
+        if parts is None:
+            return 1, 0
+        known = self._sizes.get(id(value))
+        if known is None:
+            scalars = elements = 0
+            for part in parts:
+                s, e = self.size(part)
+                scalars, elements = scalars + s, elements + e
+            known = self._sizes[id(value)] = (value, scalars, elements)
+        return known[1], known[2]
 
     def _over(self, where: str, elements: int) -> UserError:
         return UserError(f"custom loss {self.loss.name!r}: {where} would bring the tensors one datum's loss makes to "
-                         f"{elements} elements; this server allows {self.loss.max_elements} "
+                         f"{elements} elements; this server allows {self.limits.max_elements} "
                          "(--custom-loss-max-elements)")
 
     def before(self, where: str, fn: Any, args: tuple, kwargs: dict) -> None:
-        leaves = list(_leaves((args, kwargs)))
-        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        """Refuse a step whose output could exceed what the datum may still make, before it runs."""
+        scalars, elements = self.size((args, kwargs))
+        estimate = scalars + elements
         direct = [v.shape for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-        estimate = sum(t.numel() for t in tensors) + len(leaves) - len(tensors)
         if direct:
             try:
                 estimate = max(estimate, math.prod(torch.broadcast_shapes(*direct)))
             except RuntimeError:
                 pass
-        if fn is operator.getitem and any(t.dtype != torch.bool for t in tensors[1:]):
-            estimate = self._indexed(args)
-        if self.used + estimate > self.loss.max_elements:
+        if fn is operator.getitem and isinstance(args[0], torch.Tensor):
+            estimate = self._indexed(where, args[0], args[1])
+        if self.used + estimate > self.limits.max_elements:
             raise self._over(where, self.used + estimate)
 
-    @staticmethod
-    def _indexed(args: tuple) -> int:
-        """Indexing by an integer tensor makes as many rows as the index has: sized on meta tensors, or bounded by
-        the product of every index's size where meta tensors cannot say."""
+    def _indexed(self, where: str, tensor: torch.Tensor, index: Any) -> int:
+        """Indexing by integers (a tensor or a Python list of them) makes as many rows as the index holds: sized on
+        meta tensors. A boolean mask selects at most every element; where meta tensors cannot say, the product of
+        every index's size bounds it."""
+        scalars, elements = self.size(index)
+        if scalars > self.limits.max_constants:
+            raise UserError(f"custom loss {self.loss.name!r}: {where} indexes with {scalars} Python values; at most "
+                            f"{self.limits.max_constants} (--custom-loss-max-constants)")
+        tensors = [v for v in (index if isinstance(index, tuple) else (index,)) if isinstance(v, torch.Tensor)]
+        if tensors and all(t.dtype == torch.bool for t in tensors) and not any(
+                isinstance(v, list) for v in (index if isinstance(index, tuple) else (index,))):
+            return tensor.numel()
         try:
-            return _meta(args[0])[_meta(args[1])].numel()
+            return _meta(tensor)[_meta(index)].numel()
         except Exception:  # noqa: BLE001 - the bound below holds whatever the index is
-            bound = args[0].numel() if isinstance(args[0], torch.Tensor) else 1
-            return bound * math.prod(t.numel() for t in _leaves(args[1:]) if isinstance(t, torch.Tensor))
+            return tensor.numel() * max(1, scalars) * max(1, elements)
 
     def after(self, where: str, result: Any) -> None:
-        self.used += sum(v.numel() for v in _leaves(result) if isinstance(v, torch.Tensor))
-        if self.used > self.loss.max_elements:
+        """Count the tensors a step made (each once, however often the result holds it) and the time taken."""
+        self.used += self._new_elements(result)
+        if self.used > self.limits.max_elements:
             raise self._over(where, self.used)
+        if time.monotonic() > self.deadline:
+            raise UserError(f"custom loss {self.loss.name!r}: one datum's loss ran longer than "
+                            f"{self.limits.max_seconds} s (at {where}; --custom-loss-max-seconds)")
 
+    def _new_elements(self, value: Any) -> int:
+        if id(value) in self._counted:
+            return 0
+        self._counted[id(value)] = value
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+        parts = _parts(value)
+        return 0 if parts is None else sum(self._new_elements(part) for part in parts)
 
-def _check_value(where: str, loss: CustomLoss, value: Any) -> None:
-    """Only plain values flow between steps, none that grows without bound."""
-    problem = None
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= MAX_INT:
-        problem = "an integer beyond 64 bits"
-    elif isinstance(value, str) and len(value) > MAX_STRING:
-        problem = f"a string longer than {MAX_STRING} characters"
-    elif isinstance(value, (list, tuple)):
-        if len(value) > loss.max_items:
-            problem = f"a sequence of more than {loss.max_items} items (--custom-loss-max-constants)"
-        else:
-            for item in value:
-                _check_value(where, loss, item)
-    elif not isinstance(value, _VALUES):
-        problem = f"a value of type {type(value).__name__}"
-    if problem:
-        raise UserError(f"custom loss {loss.name!r}: {where} made {problem}, which a custom loss may not")
+    def check(self, where: str, value: Any) -> None:
+        """Only plain values on the loss's device flow between steps, none that grows without bound."""
+        problem = self._problem(value)
+        if problem:
+            raise UserError(f"custom loss {self.loss.name!r}: {where} made {problem}, which a custom loss may not")
+
+    def _problem(self, value: Any) -> str | None:
+        if isinstance(value, torch.Tensor):
+            if value.device != self.device:
+                return f"a tensor on device {value.device} (its tensors stay on {self.device}, where it runs)"
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= MAX_INT:
+            return "an integer beyond 64 bits"
+        elif isinstance(value, str) and len(value) > MAX_STRING:
+            return f"a string longer than {MAX_STRING} characters"
+        elif isinstance(value, (list, tuple)):
+            return self._sequence_problem(value)
+        elif not isinstance(value, _VALUES):
+            return f"a value of type {type(value).__name__}"
+        return None
+
+    def _sequence_problem(self, value: list | tuple) -> str | None:
+        if id(value) in self._checked:
+            return None
+        if len(value) > self.limits.max_constants:
+            return f"a sequence of more than {self.limits.max_constants} items (--custom-loss-max-constants)"
+        if self._height(value) > self.limits.max_nesting:
+            return f"a value nested deeper than {self.limits.max_nesting} levels (--custom-loss-max-nesting)"
+        for item in value:
+            if problem := self._problem(item):
+                return problem
+        self._checked[id(value)] = value
+        return None
+
+    def _height(self, value: Any) -> int:
+        """How deeply ``value``'s sequences nest (0 for a leaf), each distinct one measured once; values were
+        checked as they were made, so only the outermost levels are new."""
+        if not isinstance(value, (list, tuple)):
+            return 0
+        known = self._heights.get(id(value))
+        if known is None:
+            known = self._heights[id(value)] = (value, 1 + max((self._height(v) for v in value), default=0))
+        return known[1]
 
 
 def _call(step: Step, args: tuple, kwargs: dict, device: torch.device) -> tuple[Any, Any]:
@@ -190,7 +263,7 @@ def run_datum(loss: CustomLoss, logprobs: torch.Tensor,
     """One datum's ``(loss, metrics)``; ``inputs`` passed ``check_custom_datum``."""
     device, n = logprobs.device, logprobs.shape[0]
     values: list[Any] = [logprobs, *(_as_rank(inputs[name], rank, n) for name, rank in loss.inputs[1:])]
-    budget = _Budget(loss)
+    budget = _Datum(loss, device)
     for step in loss.steps:
         where = f"node {step.name!r} ({step.target})"
         args = tuple(_resolve(a, values, device) for a in step.args)
@@ -205,7 +278,7 @@ def run_datum(loss: CustomLoss, logprobs: torch.Tensor,
                    UserError(f"custom loss {loss.name!r}: {where}: {message}")) from None
         except Exception as exc:  # noqa: BLE001 - whatever the loss's own arithmetic raises is the user's to fix
             raise UserError(f"custom loss {loss.name!r}: {where} failed: {type(exc).__name__}: {exc}") from None
-        _check_value(where, loss, result)
+        budget.check(where, result)
         budget.after(where, result)
         values.append(result)
     total = values[loss.loss.index]

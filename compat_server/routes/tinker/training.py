@@ -10,9 +10,12 @@ import zstandard
 from litestar import Request, post
 from litestar.di import NamedDependency
 from litestar.params import Body
+from pydantic import ValidationError
 from tinker import types
 
 from compat_server.services import Services
+from shims.custom_loss.graph import CustomLoss, compile_custom_loss
+from shims.custom_loss.limits import CustomLossLimits
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumLimits, ForwardBackwardBatch, RejectedRequest, decode_forward_backward
 
@@ -73,17 +76,38 @@ async def forward_backward(request: Request, owner: NamedDependency[str], servic
     return services.training.forward_backward(owner, batch, idempotency_key(request))
 
 
+def _read_custom_loss(body: bytes, limits: CustomLossLimits) -> tuple[types.CreateCustomLossRequest, CustomLoss]:
+    """Parse and check an uploaded loss (in a worker thread: a graph at the limits takes a while to read)."""
+    try:
+        data = types.CreateCustomLossRequest.model_validate_json(body)
+    except ValidationError as exc:
+        error = exc.errors(include_input=False)[0]
+        if error["type"] == "json_invalid" and "recursion" in error["msg"]:
+            raise UserError("the request body is nested too deeply to decode; a custom loss graph's arguments nest "
+                            "a few levels deep (--custom-loss-max-nesting)") from None
+        where = ".".join(str(part) for part in error["loc"])
+        raise UserError(f"invalid create_custom_loss request: {where}: {error['msg']}") from None
+    return data, compile_custom_loss(data.name, data.inputs, data.graph.nodes, limits)
+
+
 @post(f"{API}/create_custom_loss", status_code=200)
-async def create_custom_loss(request: Request, owner: NamedDependency[str], services: NamedDependency[Services],
-                             data: Annotated[types.CreateCustomLossRequest, Body()]) -> dict:
+async def create_custom_loss(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     """A traced loss (``ServiceClient.create_custom_loss``), checked and stored here: a graph this server will not
-    run is a 400 saying why. Refused as a whole when custom losses run client-side (the SDK then never sends one)."""
+    run is a 400 saying why. Refused as a whole when custom losses run client-side (the SDK then never sends one).
+    A body larger than any graph within the ``--custom-loss-max-*`` limits is refused before it is read."""
     config = services.config
     if not config.custom_loss_server_side:
         raise UserError("this server runs custom losses client-side (--client-side-custom-losses): its client "
                         "config says custom_loss_server_side=false, so the SDK does not upload them")
-    return services.training.create_custom_loss(owner, data, config.custom_loss_limits,
-                                                config.max_custom_losses_per_key, idempotency_key(request))
+    limits = config.custom_loss_limits
+    body = await request.body()
+    if len(body) > limits.encoded_bytes():
+        raise UserError(f"this custom loss request is {len(body)} bytes; a graph within this server's limits "
+                        f"(--custom-loss-max-nodes {limits.max_nodes}, --custom-loss-max-constants "
+                        f"{limits.max_constants}) takes at most {limits.encoded_bytes()}")
+    data, loss = await asyncio.to_thread(_read_custom_loss, body, limits)
+    return services.training.create_custom_loss(owner, data, loss, config.max_custom_losses_per_key,
+                                                idempotency_key(request))
 
 
 @post(f"{API}/optim_step", status_code=200)
