@@ -13,7 +13,7 @@ from shims.openai.errors import OpenAIError
 from shims.openai.params import output_constraint
 from shims.openai.tool_calls import ToolCallStream, constrained_calls, parse_tool_calls, tool_mode
 from shims.openai.wire import ChatRequest, CompletionRequest, parse_request
-from shims.sampling.json_schema_limits import unsupported_features
+from shims.sampling.json_schema_limits import admits_nothing, unsupported_features
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -68,6 +68,68 @@ def test_what_xgrammar_enforces_passes():
         "tags": {"enum": [{"type": "array", "uniqueItems": True}], "examples": [{"format": "phone"}]}}}
     assert unsupported_features(data_not_schemas) == []
     assert unsupported_features(True) == [] and unsupported_features({}) == []
+
+
+# ---- schemas that admit no finite value ---------------------------------------------------------------------------
+
+NODE = {"type": "object", "properties": {"value": {"type": "integer"}, "next": {"$ref": "#/$defs/Node"}}}
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"$ref": "#"}, "the root"),
+    ({"anyOf": [{"$ref": "#"}], "description": "a recursion through anyOf"}, "the root"),
+    ({"$ref": "#/$defs/Tree", "$defs": {"Tree": {"anyOf": [{"$ref": "#/$defs/Branch"}]},
+                                        "Branch": {"$ref": "#/$defs/Tree"}}}, "$defs.Tree, $defs.Branch"),
+    ({"type": "object", "required": ["head"], "properties": {"head": {"$ref": "#/$defs/Node"}},
+      "$defs": {"Node": {**NODE, "required": ["next"]}}}, "$defs.Node"),
+    ({"type": "object", "required": ["kids"], "properties": {"kids": {"type": "array", "items": {"$ref": "#"},
+                                                                      "minItems": 1}}}, "the root"),
+    ({"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1}, "the root"),
+    ({"$ref": "#/definitions/a~1b%20c", "definitions": {"a/b c": {"allOf": [{"$ref": "#/definitions/a~1b%20c"}]}}},
+     "definitions.a/b c"),
+])
+def test_a_recursion_with_no_base_case_is_named(schema, named):
+    assert admits_nothing(schema) == (f"admits no finite value: {named} can only be satisfied by a value that "
+                                      f"contains another such value, without end (a $ref recursion with no base case)")
+
+
+@pytest.mark.parametrize("schema, finite", [
+    ({"type": "object", "required": ["kids"], "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}},
+     {"kids": [{"kids": []}]}),
+    ({"anyOf": [{"type": "null"}, {"$ref": "#"}]}, None),
+    ({"type": "object", "required": ["head"], "properties": {"head": {"$ref": "#/$defs/Node"}},
+      "$defs": {"Node": NODE}}, {"head": {"value": 1, "next": {"value": 2}}}),
+    ({"type": ["object", "null"], "required": ["a"], "properties": {"a": {"$ref": "#"}}}, {"a": None}),
+    ({"required": ["a"], "properties": {"a": {"$ref": "#"}}}, 3),  # no type given: a number is not an object
+    ({"type": "object", "properties": {"loop": {"$ref": "#/$defs/Loop"}}, "$defs": {"Loop": {"$ref": "#/$defs/Loop"}}},
+     {}),  # the endless part is optional
+    ({}, []),
+])
+def test_a_recursion_with_a_base_case_passes(schema, finite):
+    assert admits_nothing(schema) is None
+    jsonschema.validate(finite, schema)  # and here is a finite value it admits
+
+
+def test_a_reference_that_cannot_be_followed_is_not_called_empty():
+    for ref in ("#/$defs/Missing", "#/properties/0", "https://example.com/schema.json", "#anchor"):
+        schema = {"$ref": ref, "type": "object", "properties": {"a": {"$ref": ref}}, "required": ["a"]}
+        assert admits_nothing(schema) is None
+
+
+def test_a_schema_that_admits_nothing_is_a_400_naming_its_parameter():
+    for fields, param in [
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"$ref": "#"}}}},
+             "response_format.json_schema.schema"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+              "tool_choice": "required"}, "tools.0.function.parameters"),
+            ({"guided_json": {"$ref": "#"}}, "guided_json")]:
+        req = chat(**fields)
+        with pytest.raises(OpenAIError) as info:
+            output_constraint(req, tool_mode(req))
+        assert info.value.status == 400 and info.value.param == param
+        assert info.value.message == f"{param}: the JSON schema admits no finite value: the root can only be " \
+                                     f"satisfied by a value that contains another such value, without end (a $ref " \
+                                     f"recursion with no base case)"
 
 
 # ---- response_format, structured_outputs, guided_json → the output constraint ----------------------------------

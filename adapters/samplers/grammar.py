@@ -18,7 +18,7 @@ import xgrammar as xgr
 
 from shims.errors import UserError
 from shims.sampling.job import OutputConstraint, SampleJob
-from shims.sampling.json_schema_limits import unsupported_features
+from shims.sampling.json_schema_limits import admits_nothing, unsupported_features
 
 GRAMMAR_CACHE_SIZE = 64
 """Compiled grammars kept per tokenizer (keyed by schema text): an agent sending the same few schemas over and over
@@ -61,7 +61,18 @@ def _convert(schema: str, convert, any_whitespace: bool = True):
     if unsupported := unsupported_features(parsed):
         raise UserError(f"the JSON schema of the output constraint uses what constrained decoding cannot enforce: "
                         f"{'; '.join(unsupported)}")
+    if empty := admits_nothing(parsed):
+        raise UserError(f"the JSON schema of the output constraint {empty}")
     return converted
+
+
+def no_next_token(written: int) -> UserError:
+    """The error of a sequence whose grammar allows no token after the ``written`` tokens it has: a schema that no
+    text satisfies (an impossible ``pattern``, a recursion with no base case that the checks before sampling could
+    not see) or none the model's vocabulary can spell. The request fails alone: sampling from a row of logits that
+    are all -inf would mean NaN probabilities."""
+    return UserError(f"the output constraint admits no next token after {written} tokens: no text the model can "
+                     f"write from there satisfies its JSON schema")
 
 
 class ConstrainedSequence:
@@ -72,20 +83,24 @@ class ConstrainedSequence:
         tokens and the request's stop token ids)."""
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(set(stop_ids)))
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._accepted = 0
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """A float32 copy of one row of logits in which every token the grammar does not allow next is -inf.
-        xgrammar applies its bitmask on the logits' own device (a CPU or a CUDA kernel), so the bitmask, filled on
-        the host, goes there first."""
+        """A float32 copy of one row of (finite) logits in which every token the grammar does not allow next is
+        -inf; ``no_next_token`` raised when it allows none. xgrammar applies its bitmask on the logits' own device
+        (a CPU or a CUDA kernel), so the bitmask, filled on the host, goes there first."""
         self._matcher.fill_next_token_bitmask(self._bitmask)
         out = logits.to(torch.float32, copy=True).unsqueeze(0)
         xgr.apply_token_bitmask_inplace(out, self._bitmask.to(out.device))
+        if not bool(torch.isfinite(out).any()):
+            raise no_next_token(self._accepted)
         return out[0]
 
     def accept(self, token: int) -> None:
         """Advance past ``token``, a token ``masked`` allowed."""
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"the output constraint's grammar rejected token {token}, which its mask allowed")
+        self._accepted += 1
 
     @property
     def terminated(self) -> bool:

@@ -21,7 +21,7 @@ from shims.openai.errors import OpenAIError
 from shims.openai.tool_calls import ToolMode
 from shims.openai.wire import ChatRequest, CompletionRequest
 from shims.sampling.job import OutputConstraint, SampleJob, SamplingLimits
-from shims.sampling.json_schema_limits import unsupported_features
+from shims.sampling.json_schema_limits import admits_nothing, unsupported_features
 from shims.tinker.sampling_wire import decode_sample_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -48,8 +48,9 @@ def _in_range(value: float | None, low: float, high: float | None, param: str) -
 
 def _schema_constraint(schema: dict | str | None, param: str) -> OutputConstraint:
     """A constraint to ``schema`` (None: any JSON), checked now so that a schema the grammar engine cannot compile,
-    or one using a keyword it could not enforce, is the caller's 400, naming the parameter, rather than a failed
-    sampling request or an output that does not validate."""
+    one using a keyword it could not enforce, or one no finite value satisfies (whose grammar would leave its rows
+    no token to sample) is the caller's 400, naming the parameter, rather than a failed sampling request or an
+    output that does not validate."""
     import xgrammar
 
     if schema is None:
@@ -60,9 +61,12 @@ def _schema_constraint(schema: dict | str | None, param: str) -> OutputConstrain
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with the converter's message
         message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise OpenAIError(400, f"{param}: the JSON schema cannot be used: {message}", param=param) from None
-    if unsupported := unsupported_features(json.loads(text)):
+    parsed = json.loads(text)
+    if unsupported := unsupported_features(parsed):
         raise OpenAIError(400, f"{param}: the JSON schema uses what constrained decoding cannot enforce, so the "
                                f"output could not be guaranteed to follow it: {'; '.join(unsupported)}", param=param)
+    if empty := admits_nothing(parsed):
+        raise OpenAIError(400, f"{param}: the JSON schema {empty}", param=param)
     return OutputConstraint(json_schema=text)
 
 

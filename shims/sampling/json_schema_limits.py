@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 STRING_FORMATS = frozenset({
     "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
@@ -93,3 +94,134 @@ def unsupported_features(schema: Any, where: str = "") -> list[str]:
     for key, child in _subschemas(schema):
         found += unsupported_features(child, f"{where}.{key}" if where else key)
     return found
+
+
+# ---- schemas that admit no finite value ---------------------------------------------------------------------------
+
+class _Gates:
+    """A monotone AND/OR circuit over a schema: one gate per schema reached from the root, and the gates its
+    conditions combine. A gate holds once every input (AND) or any input (OR) holds; ``settle`` finds every gate that
+    holds, linear in the circuit's size however the ``$ref`` cycles run (a least fixed point: a cycle holds only
+    where something outside it lets it end)."""
+
+    def __init__(self) -> None:
+        self.missing: list[int] = []
+        """Per gate, how many more inputs it needs to hold."""
+        self.users: list[list[int]] = []
+        self.holds: list[bool] = []
+
+    def add(self, kind: str, inputs: list[int]) -> int:
+        gate = len(self.missing)
+        self.missing.append(len(inputs) if kind == "and" else 1)
+        self.users.append([])
+        self.holds.append(False)
+        for source in inputs:
+            self.users[source].append(gate)
+        return gate
+
+    def settle(self) -> None:
+        ready = [gate for gate, missing in enumerate(self.missing) if missing == 0]
+        while ready:
+            gate = ready.pop()
+            if self.holds[gate]:
+                continue
+            self.holds[gate] = True
+            for user in self.users[gate]:
+                self.missing[user] -= 1
+                if self.missing[user] == 0:
+                    ready.append(user)
+
+
+def _resolve(root: Any, ref: Any) -> tuple[str, Any] | None:
+    """The schema a local ``$ref`` (``#`` or a JSON pointer ``#/…``) names, with its path as ``unsupported_features``
+    writes paths; None for any other reference (an anchor, another document) or a pointer to nothing."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node, names = root, []
+    for part in ref[2:].split("/") if ref != "#" else []:
+        name = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and name in node:
+            node = node[name]
+        elif isinstance(node, list) and name.isdigit() and int(name) < len(node):
+            node = node[int(name)]
+        else:
+            return None
+        names.append(name)
+    return ".".join(names) or "the root", node
+
+
+def admits_nothing(schema: Any) -> str | None:
+    """Why no finite JSON value satisfies ``schema``, or None when one may. What is caught is what the grammar engine
+    does not refuse itself: a ``$ref`` recursion with no base case (``{"$ref": "#"}``, definitions that each need
+    another without end), whose grammar admits no text at all, or only an infinitely nested one.
+
+    Conservative: only what no value can satisfy is named, however the engine reads the rest. A keyword whose
+    type the schema does not fix admits any value of another type; ``not``, ``if`` and the ranges are not read;
+    a reference this cannot follow admits anything."""
+    gates, made, targets = _Gates(), {}, {}
+    always = gates.add("and", [])
+
+    def gate_of(node: Any) -> int:
+        if node is False:
+            return gates.add("or", [])
+        if not isinstance(node, dict):
+            return always
+        if id(node) not in made:
+            made[id(node)] = gates.add("and", [])  # a placeholder, wired below; cycles reach it meanwhile
+            wiring.append(node)
+        return made[id(node)]
+
+    def type_gate(node: dict[str, Any]) -> int | None:
+        """What the node's ``type`` needs of its children; None when it needs nothing (a type that may be a
+        scalar, or none given)."""
+        types = _types(node)
+        if not types or types - {"object", "array"}:
+            return None
+        options = []
+        if "object" in types:
+            properties, required = node.get("properties"), node.get("required")
+            needed = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+            options.append(gates.add("and", [gate_of(properties[name]) for name in dict.fromkeys(needed)
+                                             if isinstance(properties, dict) and name in properties]))
+        if "array" in types:
+            least = node.get("minItems", 0)
+            prefix = node.get("prefixItems", node.get("items"))
+            prefix = prefix if isinstance(prefix, list) else []
+            rest = node.get("items") if "prefixItems" in node or not isinstance(node.get("items"), list) else None
+            needed = [gate_of(item) for item in prefix[:least]] if isinstance(least, int) else []
+            if isinstance(least, int) and least > len(prefix) and isinstance(rest, (dict, bool)):
+                needed.append(gate_of(rest))
+            options.append(gates.add("and", needed))
+        return gates.add("or", options)
+
+    wiring: list[dict[str, Any]] = []
+    root = gate_of(schema)
+    while wiring:
+        node = wiring.pop()
+        needs = []
+        if "$ref" in node:
+            target = _resolve(schema, node["$ref"])
+            if target is not None:
+                targets.setdefault(id(target[1]), target)
+                needs.append(gate_of(target[1]))
+        if isinstance(node.get("allOf"), list):
+            needs += [gate_of(child) for child in node["allOf"]]
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key]:
+                needs.append(gates.add("or", [gate_of(child) for child in node[key]]))
+        if isinstance(node.get("enum"), list) and not node["enum"]:
+            needs.append(gates.add("or", []))
+        if (by_type := type_gate(node)) is not None:
+            needs.append(by_type)
+        placeholder = made[id(node)]
+        gates.missing[placeholder] = len(needs)
+        for source in needs:
+            gates.users[source].append(placeholder)
+    gates.settle()
+    if gates.holds[root]:
+        return None
+    endless = [path for key, (path, _) in targets.items() if not gates.holds[made.get(key, always)]]
+    if not endless:
+        return "admits no value"
+    return (f"admits no finite value: {', '.join(endless)} can only be satisfied by a value that contains another "
+            f"such value, without end (a $ref recursion with no base case)")

@@ -157,8 +157,8 @@ class TransformersSampler(SamplerBackend):
 
     # ---- generation -----------------------------------------------------------------------------------------------
     def _run_batch(self, requests: list[BatchRequest]) -> list[SampleResult | Exception]:
-        """Results in request order; a request whose adapter cannot be loaded gets its own error, and the others
-        still run."""
+        """Results in request order; a request whose adapter cannot be loaded, or whose rows fail while decoding
+        (``BatchDecoder.generate``), gets its own error, and the others still run."""
         outcomes: list[SampleResult | Exception | None] = [None] * len(requests)
         runnable, names, held = [], [], []
         try:

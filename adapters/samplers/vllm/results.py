@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from adapters.samplers.grammar import no_next_token
 from adapters.samplers.interface import OnToken
 from shims.sampling.job import PromptScores, SampleJob, SampleResult, SequenceResult, TokenEvent
 from shims.tinker.sampling_wire import masked_topk
@@ -36,10 +37,12 @@ class CollectedOutputs:
 
     def _announce(self, completion, on_token: OnToken) -> None:
         """Report the tokens of ``completion`` beyond those already reported (a greedy job's one sequence under each
-        of its sample indices)."""
+        of its sample indices). The token a grammar rejected (see ``result``) is never reported."""
         job = self.job
         indices = range(job.num_samples) if job.greedy else (completion.index,)
         tokens, steps = list(completion.token_ids), completion.logprobs or []
+        if completion.finish_reason == "error" and job.constraint is not None:
+            tokens = tokens[:-1]
         for position in range(self.sent.get(completion.index, 0), len(tokens)):
             token = tokens[position]
             step = steps[position] if position < len(steps) else {}
@@ -60,6 +63,10 @@ class CollectedOutputs:
         sequences = []
         for index in range(expected):
             completion = self.latest[index]
+            if completion.finish_reason == "error" and job.constraint is not None:
+                # vLLM ends one request alone with "error" when its grammar rejects the token sampled: what a mask
+                # that allows no token leaves (its row's logits all -inf), the sampled token being the one rejected.
+                raise no_next_token(max(len(completion.token_ids) - 1, 0))
             if completion.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM ended a sequence with {completion.finish_reason!r}")
             tokens = list(completion.token_ids)
