@@ -47,6 +47,10 @@ def test_zero_eps_and_non_finite_gradients_never_reach_the_weights(trainer):
     start = logprobs(trainer, "e")
     with pytest.raises(UserError, match="eps must be > 0"):
         trainer.optim_step("e", AdamHyper(eps=0.0))
+    for hyper in (AdamHyper(learning_rate=1e38), AdamHyper(learning_rate=1e36, beta1=0.999),
+                  AdamHyper(learning_rate=1e20, weight_decay=1e20), AdamHyper(weight_decay=1e39)):
+        with pytest.raises(UserError, match="float32"):  # would overflow inside the optimizer: a server error
+            trainer.optim_step("e", hyper)
     huge = DatumArrays(tokens=DATUM.tokens, loss_fn_inputs={**DATUM.loss_fn_inputs,
                                                             "weights": np.full(5, 3e38, np.float32)})
     with pytest.raises(UserError, match="not finite"):

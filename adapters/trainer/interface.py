@@ -25,6 +25,9 @@ from shims.tinker.training_wire import DatumArrays
 LORA_ALPHA = 32
 """Fixed LoRA alpha, independent of rank (scale alpha/rank), so a learning rate carries across ranks as in Tinker."""
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a hyperparameter beyond it overflows in the optimizer's tensor arithmetic."""
+
 MAX_LORA_RANK = 512
 """The largest rank the trainer itself takes (vLLM's largest); the server's ``--max-lora-rank`` is usually lower."""
 
@@ -67,12 +70,16 @@ class AdamHyper:
 
     def validate(self) -> None:
         for name, value in asdict(self).items():
-            if not math.isfinite(value) or value < 0:
-                raise UserError(f"adam_params.{name} must be a finite number ≥ 0, got {value}")
+            if not math.isfinite(value) or not 0 <= value <= FLOAT32_MAX:
+                raise UserError(f"adam_params.{name} must be a number from 0 to {FLOAT32_MAX:.4g} (the largest the "
+                                f"optimizer's float32 arithmetic holds), got {value}")
         if self.eps <= 0:
             raise UserError(f"adam_params.eps must be > 0 (0 divides by zero on untouched weights), got {self.eps}")
         if self.beta1 >= 1 or self.beta2 >= 1:
             raise UserError(f"adam_params beta1 and beta2 must be < 1, got {self.beta1}, {self.beta2}")
+        if self.learning_rate / (1 - self.beta1) > FLOAT32_MAX or self.learning_rate * self.weight_decay > FLOAT32_MAX:
+            raise UserError(f"adam_params.learning_rate {self.learning_rate} is too large: its first step "
+                            "(learning_rate / (1 - beta1), and learning_rate × weight_decay) must stay within float32")
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,8 @@ class DimuonHyper:
     grad_clip_norm: float = 0.0
 
     def validate(self) -> None:
-        if not all(math.isfinite(v) for v in asdict(self).values()):
-            raise UserError(f"dimuon params must be finite numbers, got {asdict(self)}")
+        if not all(math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in asdict(self).values()):
+            raise UserError(f"dimuon params must be finite numbers within float32's range, got {asdict(self)}")
         if self.learning_rate < 0 or not 0 <= self.beta1 < 1:
             raise UserError(f"dimuon params need learning_rate ≥ 0 and 0 ≤ beta1 < 1, got {self.learning_rate}, "
                             f"{self.beta1}")
