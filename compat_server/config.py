@@ -160,6 +160,10 @@ class ServerConfig:
         CustomLossLimits.max_elements, check=at_least(1),
         help="most tensor elements a custom loss may compute for one datum, all its steps together (default: "
              "%(default)s, 256 MiB of float32)")
+    custom_loss_max_seconds: float = option(
+        CustomLossLimits.max_seconds, check=ABOVE_ZERO,
+        help="most seconds a custom loss may take for one datum, all its steps together; a loss that takes longer "
+             "fails its own request (default: %(default)s)")
     max_custom_losses_per_key: int = option(
         256, "most custom losses one API key may hold; a session's go when it ends (default: %(default)s)",
         check=at_least(1))
@@ -196,6 +200,18 @@ class ServerConfig:
         help="seconds a token issued by /api/v1/auth/token stays valid: the tinker SDK exchanges its key for one "
              "and sends it instead (refreshing it at half-life), so RestClient.whoami works; the key is re-checked "
              "at every request (default: %(default)s)")
+
+    # Session fields (account side, issue 31): every search and listing answers them, so they are bounded at creation.
+    max_session_field_chars: int = option(
+        256, check=at_least(1),
+        help="longest display_name, project_id, sdk_version and tag a session may be given, in characters; a longer "
+             "one is refused when the session is created or assigned to a project (default: %(default)s)")
+    max_session_tags: int = option(
+        64, "most tags one session may carry (the SDK sends TINKER_TAGS) (default: %(default)s)", check=at_least(0))
+    max_session_metadata_bytes: int = option(
+        16384, check=at_least(2),
+        help="largest user_metadata one session may carry, in bytes of its JSON text; session search answers up to "
+             "200 sessions a page, each with its metadata (default: %(default)s)")
 
     # Access, the HTTP front and logging.
     auth: str | None = option(
@@ -246,7 +262,8 @@ class ServerConfig:
     def custom_loss_limits(self) -> CustomLossLimits:
         return CustomLossLimits(max_nodes=self.custom_loss_max_nodes, max_nesting=self.custom_loss_max_nesting,
                                 max_constants=self.custom_loss_max_constants,
-                                max_elements=self.custom_loss_max_elements)
+                                max_elements=self.custom_loss_max_elements,
+                                max_seconds=self.custom_loss_max_seconds)
 
     @property
     def loopback(self) -> bool:

@@ -20,7 +20,7 @@ from adapters.trainer.pool import TrainerPlacement, TrainerPool
 from compat_server import watchdog
 from compat_server.access.quotas import KeyQuota
 from compat_server.access.tokens import TokenIssuer
-from compat_server.account.service import AccountService
+from compat_server.account.service import AccountService, SessionLimits
 from compat_server.completions.service import CompletionsService
 from compat_server.config import ServerConfig
 from compat_server.jobs.futures import FutureHub
@@ -171,7 +171,9 @@ async def start_services(config: ServerConfig) -> Services:
                                                    OpenAILimits(max_stop=config.max_stop_strings,
                                                                 max_logprobs=config.max_logprobs,
                                                                 max_temperature=config.max_temperature)),
-                    runs=runs, account=AccountService(records, signer), base_models=base_models,
+                    runs=runs, account=AccountService(records, signer, SessionLimits(
+                        config.max_session_field_chars, config.max_session_tags, config.max_session_metadata_bytes)),
+                    base_models=base_models,
                     tokens=TokenIssuer(config.url_key_path.read_bytes(), config.token_ttl))
     loop = asyncio.get_running_loop()
     services.background = [loop.create_task(_sweep_expired(services)), loop.create_task(trainers.watch(2.0))]

@@ -10,7 +10,7 @@ import hashlib
 import secrets
 
 from litestar.connection import ASGIConnection
-from litestar.exceptions import NotAuthorizedException
+from litestar.exceptions import NotAuthorizedException, PermissionDeniedException
 
 KEY_PREFIX = "tml-"
 
@@ -41,6 +41,20 @@ def is_token(presented: str) -> bool:
 
 def is_key(presented: str) -> bool:
     return presented.startswith(KEY_PREFIX) and len(presented) > len(KEY_PREFIX)
+
+
+def require_key(connection: ASGIConnection) -> None:
+    """Only an API key buys a token (``/api/v1/auth/token``): a token that bought another would renew itself for as
+    long as its key lives, so a leaked one would never run out. The tinker SDK sends its key there, and refreshes by
+    exchanging the key again. 403: the caller is known (``provide_owner`` checked the credential), but may not."""
+    presented = credential(connection)
+    if presented is not None and is_key(presented):
+        return
+    if presented is not None and is_token(presented):
+        raise PermissionDeniedException("a token cannot be exchanged for another token: /api/v1/auth/token takes "
+                                        f"the API key ({KEY_PREFIX}…) itself, as the tinker SDK sends it")
+    raise PermissionDeniedException(f"/api/v1/auth/token exchanges an API key ({KEY_PREFIX}…) for a token: send the "
+                                    "key in X-API-Key or Authorization: Bearer")
 
 
 def new_key() -> str:

@@ -1,9 +1,10 @@
 """Short-lived tokens for the tinker SDK's key exchange (``pjwt_auth_enabled``).
 
 The SDK trades its ``tml-`` key for a JWT at ``/api/v1/auth/token`` and then sends the JWT in ``X-API-Key``,
-refreshing it at half its lifetime; ``RestClient.whoami`` reads its identity from the token's claims. A token names
-its tenant (the key's hash, as every record does), is signed with HMAC-SHA256 under a key derived from the server's
-own signing key, and is only as good as the key behind it: ``--auth keys`` re-checks that key at every request.
+refreshing it at half its lifetime by exchanging the key again (a token never buys another, so a leaked one dies at
+its expiry); ``RestClient.whoami`` reads its identity from the token's claims. A token names its tenant (the key's
+hash, as every record does), is signed with HMAC-SHA256 under a key derived from the server's own signing key, and
+is only as good as the key behind it: ``--auth keys`` re-checks that key at every request.
 """
 
 from __future__ import annotations

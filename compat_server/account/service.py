@@ -4,6 +4,9 @@ record (``tinker auth login`` / ``logout``). Everything is scoped to the calling
 
 from __future__ import annotations
 
+import json
+import uuid
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -21,6 +24,30 @@ MAX_TRACE_REQUESTS = 100_000
 """A trace holds at most this many requests (the oldest first)."""
 USAGE_WINDOW = timedelta(days=14)
 """The longest usage window one call may ask for, as the SDK documents."""
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What one session's fields may hold (``--max-session-field-chars``, ``--max-session-tags``,
+    ``--max-session-metadata-bytes``). Session search answers up to 200 sessions a page (the SDK's
+    ``SessionSearchRequest.limit``, checked as the request is decoded) with their display name, project and metadata,
+    so these bound every page; unbounded, one key's 8 MiB names made a page of hundreds of MiB."""
+
+    field_chars: int
+    tags: int
+    metadata_bytes: int
+
+
+def _utc(moment: datetime, name: str) -> datetime:
+    """``moment`` in UTC (a naive one is taken as UTC). Python's datetimes hold the years 1 to 9999 only, so
+    ``0001-01-01T00:00:00+01:00`` has no UTC form: a user error naming the field, not an ``OverflowError``."""
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:
+        raise UserError(f"{name} {moment.isoformat()} is out of range: in UTC it falls outside the years 1 to "
+                        "9999") from None
 
 
 def _session_status(row: dict) -> Any:
@@ -43,14 +70,17 @@ def _status_matches(status: Any, queries: list[Any] | None) -> bool:
 
 
 class AccountService:
-    def __init__(self, records: Records, signer: UrlSigner) -> None:
+    def __init__(self, records: Records, signer: UrlSigner, limits: SessionLimits) -> None:
         self.records = records
         self.signer = signer
+        self.limits = limits
 
     # ---- audit, storage, usage ---------------------------------------------------------------------------------------
     def audit_log(self, owner: str, event_type: str, day: date | None) -> types.AuditLogResponse:
         if event_type not in ("all", *AUDITED_RESOURCES, "teams", "organizations"):
             raise UserError(f"event_type must be all, checkpoints, projects, teams or organizations, not {event_type!r}")
+        if day is not None and day >= date.max:  # its end, the next midnight, is past what a datetime holds
+            raise UserError(f"day {day} is out of range: the audit log has days up to {date.max - timedelta(days=1)}")
         start = datetime.combine(day or datetime.now(UTC).date(), datetime.min.time(), UTC)
         prefix = None if event_type == "all" else AUDITED_RESOURCES.get(event_type, f"{event_type}_")
         entries = self.records.account.audit_entries(owner, start.isoformat(),
@@ -72,8 +102,8 @@ class AccountService:
     def usage_events(self, owner: str, request: types.GetBillingUsageRequest) -> types.BillingUsageResponse:
         """Hourly training tokens and checkpoint saves of the key. Sampled tokens are not kept per request, so they
         are not reported; nothing carries a price."""
-        start, end = request.starting_on.astimezone(UTC), request.ending_before.astimezone(UTC)
-        if not start < end <= start + USAGE_WINDOW:
+        start, end = _utc(request.starting_on, "starting_on"), _utc(request.ending_before, "ending_before")
+        if not (start < end and end - start <= USAGE_WINDOW):  # ``start + USAGE_WINDOW`` could pass the year 9999
             raise UserError("ending_before must come after starting_on, by at most 14 days")
         span = (start.isoformat(), end.isoformat())
 
@@ -90,6 +120,33 @@ class AccountService:
         return types.BillingUsageResponse(data=sorted(events, key=lambda e: e.bucket_start))
 
     # ---- sessions ------------------------------------------------------------------------------------------------------
+    def create_session(self, owner: str, req: types.CreateSessionRequest) -> str:
+        """A new session of the key's, once its fields are within the session limits (refused whole otherwise:
+        nothing is stored)."""
+        self._check_field("display_name", req.display_name)
+        self._check_field("project_id", req.project_id)
+        self._check_field("sdk_version", req.sdk_version)
+        if len(req.tags) > self.limits.tags:
+            raise UserError(f"a session takes at most {self.limits.tags} tags, not {len(req.tags)} "
+                            "(--max-session-tags)")
+        for tag in req.tags:
+            self._check_field("a tag", tag)
+        metadata = req.user_metadata or {}
+        size = len(json.dumps(metadata))  # as stored; ASCII, so characters are bytes
+        if size > self.limits.metadata_bytes:
+            raise UserError(f"user_metadata is {size} bytes of JSON, over the {self.limits.metadata_bytes} a "
+                            "session's may have (--max-session-metadata-bytes)")
+        session_id = str(uuid.uuid4())
+        self.records.runs.create_session(session_id, owner, tags=req.tags, user_metadata=metadata,
+                                         sdk_version=req.sdk_version, project_id=req.project_id,
+                                         display_name=req.display_name)
+        return session_id
+
+    def _check_field(self, name: str, value: str | None) -> None:
+        if value is not None and len(value) > self.limits.field_chars:
+            raise UserError(f"{name} is {len(value)} characters long, over the {self.limits.field_chars} a "
+                            "session's names, tags and versions may have (--max-session-field-chars)")
+
     def _session(self, owner: str, session_id: str) -> dict:
         row = self.records.runs.session(session_id, owner)
         if row is None:
@@ -99,16 +156,17 @@ class AccountService:
     def assign_project(self, owner: str, session_id: str, project_id: Any) -> None:
         if not isinstance(project_id, str) or not project_id:
             raise UserError("assigning a project needs {\"project_id\": \"…\"}")
+        self._check_field("project_id", project_id)
         self._session(owner, session_id)
         self.records.account.set_session_project(session_id, project_id)
         self.records.account.audit(owner, "project_session_assign", session_id=session_id, project_id=project_id)
 
     def search_sessions(self, owner: str, req: types.SessionSearchRequest) -> types.SessionSearchResponse:
         """The key's own sessions only (``owner`` other than "own" matches the key's own too: a key sees no one
-        else's), newest first, filtered and paged by the request."""
+        else's), newest first, filtered and paged by the request: at most 200 a page, each within ``SessionLimits``."""
         if req.owner.type == "user":
             raise UserError("searching other users' sessions is not supported: a key sees only its own")
-        before = (req.cursor.last_created_at.astimezone(UTC).isoformat(), req.cursor.last_session_id) \
+        before = (_utc(req.cursor.last_created_at, "cursor.last_created_at").isoformat(), req.cursor.last_session_id) \
             if req.cursor else None
         words = (req.display_name or "").lower().split()
         found: list[dict] = []

@@ -11,6 +11,7 @@ from litestar.di import NamedDependency
 from litestar.params import Body, FromPath, FromQuery
 from tinker import types
 
+from compat_server.access.auth import require_key
 from compat_server.services import Services
 
 API = "/api/v1"
@@ -63,8 +64,11 @@ async def trace_download(session_id: FromPath[str], expires: FromQuery[int], gra
 
 
 @post(f"{API}/auth/token", status_code=200)
-async def auth_token(owner: NamedDependency[str], services: NamedDependency[Services]) -> types.AuthTokenResponse:
-    """The SDK's key exchange (``pjwt_auth_enabled``): a short-lived token standing for the caller's key."""
+async def auth_token(request: Request, owner: NamedDependency[str],
+                     services: NamedDependency[Services]) -> types.AuthTokenResponse:
+    """The SDK's key exchange (``pjwt_auth_enabled``): a short-lived token standing for the caller's key, which only
+    the key itself may ask for (``require_key``)."""
+    require_key(request)
     return types.AuthTokenResponse(jwt=services.account.token(owner, services.tokens))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Annotated, Any
 
 from litestar import get, post
@@ -40,10 +39,8 @@ async def client_dynamic_config(owner: NamedDependency[str]) -> types.ClientDyna
 @post(f"{API}/create_session", status_code=200)
 async def create_session(owner: NamedDependency[str], services: NamedDependency[Services],
                          data: Annotated[types.CreateSessionRequest, Body()]) -> types.CreateSessionResponse:
-    session_id = str(uuid.uuid4())
-    services.records.runs.create_session(session_id, owner, tags=data.tags, user_metadata=data.user_metadata or {},
-                                         sdk_version=data.sdk_version, project_id=data.project_id,
-                                         display_name=data.display_name)
+    """Its display name, project, tags and metadata are checked against the session limits (``--max-session-…``)."""
+    session_id = services.account.create_session(owner, data)
     log.info("session created: %s (sdk %s)", session_id, data.sdk_version)
     return types.CreateSessionResponse(session_id=session_id)
 
