@@ -140,6 +140,17 @@ class ServerConfig:
                "that would write spaces and newlines until max_tokens finish their JSON (default: any whitespace, "
                "as in vLLM)")
 
+    # Tokenizing for the OpenAI-style routes and /tokenize (issue 31: nothing heavy on the event loop).
+    max_prompt_chars: int | None = option(
+        None, check=at_least(1),
+        help="longest prompt text /tokenize and the /v1 routes tokenize, in characters (a chat's as its template "
+             "renders it); a longer one is refused before it is tokenized, as vLLM refuses it (default: the model's "
+             "context × its longest token's characters, which only a text longer than the context can exceed)")
+    tokenizer_threads: int = option(
+        4, check=at_least(1),
+        help="threads that tokenize, render chat templates and decode for the OpenAI-style routes, off the event "
+             "loop (default: %(default)s)")
+
     # Custom losses (create_custom_loss; client/config's custom_loss_server_side).
     custom_loss_server_side: bool = option(
         True, flag="--client-side-custom-losses",

@@ -22,6 +22,7 @@ from compat_server.access.quotas import KeyQuota
 from compat_server.access.tokens import TokenIssuer
 from compat_server.account.service import AccountService, SessionLimits
 from compat_server.completions.service import CompletionsService
+from compat_server.completions.workers import TokenWorkers
 from compat_server.config import ServerConfig
 from compat_server.jobs.futures import FutureHub
 from compat_server.jobs.scheduler import Scheduler
@@ -60,6 +61,7 @@ class Services:
     def stop(self) -> None:
         for task in self.background:
             task.cancel()
+        self.completions.workers.close()
         self.samplers.stop()
         self.trainers.stop()
 
@@ -170,7 +172,8 @@ async def start_services(config: ServerConfig) -> Services:
                     completions=CompletionsService(sampling, records, base_models, quota,
                                                    OpenAILimits(max_stop=config.max_stop_strings,
                                                                 max_logprobs=config.max_logprobs,
-                                                                max_temperature=config.max_temperature)),
+                                                                max_temperature=config.max_temperature),
+                                                   TokenWorkers(config.tokenizer_threads), config.max_prompt_chars),
                     runs=runs, account=AccountService(records, signer, SessionLimits(
                         config.max_session_field_chars, config.max_session_tags, config.max_session_metadata_bytes)),
                     base_models=base_models,

@@ -3,6 +3,7 @@
 
 They sample through ``SamplingService`` exactly as the Tinker ``asample`` route does (same checks, same pool, same
 metrics); this module adds tokenizers, OpenAI's and vLLM's parameter rules and response objects (``shims.openai_*``).
+Tokenizing, chat templates and decoding run in ``workers`` (threads), never on the event loop.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datetime import datetime
 
 from adapters.models.resolve import BaseModelSpec
 from compat_server.access.quotas import KeyQuota
+from compat_server.completions.workers import TokenWorkers
 from compat_server.records import Records
 from compat_server.sampling.service import SamplingService, Target
 from shims.openai.choice import ChoiceOutput
@@ -29,17 +31,17 @@ from shims.openai.out import (
     usage,
 )
 from shims.openai.params import OpenAILimits, output_constraint, sampling_job
-from shims.openai.text import Vocabulary
+from shims.openai.text import PromptLimit, Vocabulary, longest_token_chars
 from shims.openai.tool_calls import ToolMode, tool_definitions, tool_mode
 from shims.openai.wire import (
     ChatRequest,
     CompletionRequest,
     chat_messages,
-    completion_prompts,
+    completion_inputs,
     ignored_fields,
     parse_request,
 )
-from shims.sampling.job import SampleJob, SampleResult
+from shims.sampling.job import SampleJob, SampleResult, SamplingLimits
 
 log = logging.getLogger("compat_server.openai")
 
@@ -90,24 +92,42 @@ class Prepared:
 
 class CompletionsService:
     def __init__(self, sampling: SamplingService, records: Records, base_models: dict[str, BaseModelSpec],
-                 quota: KeyQuota, limits: OpenAILimits) -> None:
+                 quota: KeyQuota, limits: OpenAILimits, workers: TokenWorkers,
+                 max_prompt_chars: int | None = None) -> None:
         self.sampling = sampling
         self.quota = quota
         self.records = records
         self.base_models = base_models
         self.limits = limits
+        self.workers = workers
+        self.max_prompt_chars = max_prompt_chars
+        """``--max-prompt-chars``; None: each model's context × its longest token (``PromptLimit``)."""
         self.started = int(time.time())
         self._vocabs: dict[str, Vocabulary] = {}
 
-    def vocabulary(self, base_model: str) -> Vocabulary:
+    async def vocabulary(self, base_model: str) -> Vocabulary:
+        """The base model's tokenizer, loaded (in a worker: a large tokenizer takes a while) at its first use."""
         if base_model not in self._vocabs:
-            from transformers import AutoTokenizer
-
-            spec = self.base_models[base_model]
-            # From where the server loads the model: ``tokenizer_id`` is the name given to clients, which for the
-            # built-in model would send the hub library looking for it online first.
-            self._vocabs[base_model] = Vocabulary(AutoTokenizer.from_pretrained(spec.location))
+            vocab = await self.workers.run(self._load_vocabulary, base_model)
+            self._vocabs.setdefault(base_model, vocab)
         return self._vocabs[base_model]
+
+    def _load_vocabulary(self, base_model: str) -> Vocabulary:
+        from transformers import AutoTokenizer
+
+        # From where the server loads the model: ``tokenizer_id`` is the name given to clients, which for the
+        # built-in model would send the hub library looking for it online first.
+        tokenizer = AutoTokenizer.from_pretrained(self.base_models[base_model].location)
+        max_context = self.sampling.limits[base_model].max_context
+        if self.max_prompt_chars is not None:
+            limit = PromptLimit(self.max_prompt_chars, max_context, "--max-prompt-chars")
+        else:
+            limit = PromptLimit(max_context * longest_token_chars(tokenizer), max_context)
+        vocab = Vocabulary(tokenizer, limit)
+        # The first call may set the tokenizer's truncation and padding state; made here, before any two threads
+        # share the tokenizer (the Rust tokenizer refuses a change while another thread is encoding).
+        vocab.decode(vocab.encode("warm up"))
+        return vocab
 
     def model_name(self, model: str | None) -> str:
         """``model`` as given, or the one base model when the request names none (vLLM's rule)."""
@@ -119,24 +139,23 @@ class CompletionsService:
                                "models; GET /v1/models lists them)", param="model", code="missing_required_parameter")
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    def prepare(self, owner: str, body: object, chat: bool) -> Prepared:
+    async def prepare(self, owner: str, body: object, chat: bool) -> Prepared:
+        """The checked request. Its chat template, its prompts' tokenizing and its output constraint run in the
+        workers, a completion's prompts one by one: a request of many long prompts takes turns with the others."""
         req = parse_request(ChatRequest if chat else CompletionRequest, body)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         model = self.model_name(req.model)
         target = self.sampling.weights.for_model(owner, model)
-        vocab = self.vocabulary(target.base_model)
+        vocab = await self.vocabulary(target.base_model)
         tools = tool_mode(req) if chat else ToolMode()
         if chat:
-            prompts = [vocab.render_chat(chat_messages(req.messages), tools=tool_definitions(req),
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         continue_final_message=req.continue_final_message,
-                                         template_kwargs=req.chat_template_kwargs)]
+            prompts = [await self.workers.run(_render_chat, vocab, req)]
         else:
-            prompts = completion_prompts(req, lambda text: vocab.encode(text, req.add_special_tokens))
-        constraint = output_constraint(req, tools)
+            prompts = [await self.workers.run(vocab.encode, p, req.add_special_tokens) if isinstance(p, str) else p
+                       for p in completion_inputs(req)]
         limits = self.sampling.limits[target.base_model]
-        jobs = [sampling_job(req, prompt, limits, self.limits, constraint) for prompt in prompts]
+        jobs = await self.workers.run(_sampling_jobs, req, tools, prompts, limits, self.limits)
         if ignored := ignored_fields(req):
             log.debug("%s request: ignored fields %s", "chat" if chat else "completion", ", ".join(ignored))
         echo = not chat and req.echo
@@ -150,29 +169,12 @@ class CompletionsService:
             prompt_logprobs=req.prompt_logprobs is not None, ignored=ignored)
 
     async def complete(self, p: Prepared) -> dict:
-        """The whole response; counts against the key's ``--max-pending-per-key`` while it is sampled."""
+        """The whole response; counts against the key's ``--max-pending-per-key`` while it is sampled. Its text is
+        decoded in a worker (``n`` choices of up to the context each)."""
         with self.quota.hold(p.owner):
             results: list[SampleResult] = await asyncio.gather(
                 *(self.sampling.run_job(p.target, job) for job in p.jobs))
-        choices, completion_tokens = [], 0
-        for i, (job, result) in enumerate(zip(p.jobs, results)):
-            prefix, prefix_lps = p.echoed(job, result)
-            prompt_lps = prompt_logprobs(p.vocab, job.prompt, result.prompt) if p.prompt_logprobs else None
-            for j, seq in enumerate(result.sequences):
-                tokens = seq.tokens if p.sampled_shown else []
-                completion_tokens += len(tokens)
-                out = p.output()
-                content, calls = out.push(tokens, final=True)
-                lps = TokenLogprobs.of_sequence(seq, len(seq.tokens) - len(tokens)) if p.logprobs else None
-                if prefix_lps is not None:
-                    lps = prefix_lps + lps
-                reason = out.finish_reason(seq.stop_reason if p.sampled_shown else "length")
-                choices.append(ChoiceOut(p.choice_index(i, j), (content or None) if calls else prefix + content,
-                                         reason, lps, calls or None, None if p.chat else prompt_lps))
-        used = usage(p.prompt_tokens, completion_tokens)
-        if p.chat:  # one prompt: its logprobs go on the response rather than on each choice
-            return chat_completion(p.vocab, p.id, p.created, p.model, choices, used, prompt_lps)
-        return text_completion(p.vocab, p.id, p.created, p.model, choices, used)
+        return await self.workers.run(_answer, p, results)
 
     # ---- models ---------------------------------------------------------------------------------------------------
     def list_models(self, owner: str) -> dict:
@@ -195,6 +197,44 @@ class CompletionsService:
                 return entry
         raise OpenAIError(404, f"the model {model!r} does not exist; GET /v1/models lists the models you can use",
                           param="model", code="model_not_found")
+
+
+def _render_chat(vocab: Vocabulary, req: ChatRequest) -> list[int]:
+    """The chat's prompt: its messages (and tools) through the model's chat template, tokenized."""
+    return vocab.render_chat(chat_messages(req.messages), tools=tool_definitions(req),
+                             add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             template_kwargs=req.chat_template_kwargs)
+
+
+def _sampling_jobs(req: ChatRequest | CompletionRequest, tools: ToolMode, prompts: list[list[int]],
+                   limits: SamplingLimits, openai: OpenAILimits) -> list[SampleJob]:
+    """One checked job per prompt, under the request's output constraint (whose grammar is compiled here)."""
+    constraint = output_constraint(req, tools)
+    return [sampling_job(req, prompt, limits, openai, constraint) for prompt in prompts]
+
+
+def _answer(p: Prepared, results: list[SampleResult]) -> dict:
+    """The whole response from the sampled results: each choice's text, tool calls and logprobs."""
+    choices, completion_tokens = [], 0
+    for i, (job, result) in enumerate(zip(p.jobs, results)):
+        prefix, prefix_lps = p.echoed(job, result)
+        prompt_lps = prompt_logprobs(p.vocab, job.prompt, result.prompt) if p.prompt_logprobs else None
+        for j, seq in enumerate(result.sequences):
+            tokens = seq.tokens if p.sampled_shown else []
+            completion_tokens += len(tokens)
+            out = p.output()
+            content, calls = out.push(tokens, final=True)
+            lps = TokenLogprobs.of_sequence(seq, len(seq.tokens) - len(tokens)) if p.logprobs else None
+            if prefix_lps is not None:
+                lps = prefix_lps + lps
+            reason = out.finish_reason(seq.stop_reason if p.sampled_shown else "length")
+            choices.append(ChoiceOut(p.choice_index(i, j), (content or None) if calls else prefix + content,
+                                     reason, lps, calls or None, None if p.chat else prompt_lps))
+    used = usage(p.prompt_tokens, completion_tokens)
+    if p.chat:  # one prompt: its logprobs go on the response rather than on each choice
+        return chat_completion(p.vocab, p.id, p.created, p.model, choices, used, prompt_lps)
+    return text_completion(p.vocab, p.id, p.created, p.model, choices, used)
 
 
 def _unix(stamp: str) -> int:

@@ -1,7 +1,8 @@
 """Streamed chat and text completions: server-sent events built as tokens arrive from the sampler.
 
 The same :class:`ChoiceOutput` as the whole response decides what each delta shows (stop strings, partial characters,
-tool calls), so a stream's deltas always add up to the whole response.
+tool calls), so a stream's deltas always add up to the whole response. Each step's text is decoded in the
+completions service's workers, not on the event loop: every push decodes its choice's tokens so far.
 """
 
 from __future__ import annotations
@@ -108,31 +109,14 @@ async def _events(service: CompletionsService, p: Prepared) -> AsyncIterator[dic
             whole_only = p.echo and p.logprobs or not p.sampled_shown
             async for item in service.sampling.stream_job(p.target, job):
                 if isinstance(item, SampleResult):
-                    for choice, seq in zip(choices, item.sequences):
-                        if event := choice.echo(job, item):
-                            yield event
-                        shown = len(choice.output.tokens)
-                        new = seq.tokens[shown:] if p.sampled_shown else []
-                        content, calls = choice.output.push(new, final=True)
-                        lps = TokenLogprobs.of_sequence(seq, shown) if p.logprobs and new else None
-                        reason = choice.output.finish_reason(seq.stop_reason if p.sampled_shown else "length")
-                        yield choice.chunk(content, calls, lps, reason)
-                        completion_tokens += len(seq.tokens) if p.sampled_shown else 0
+                    events, tokens = await service.workers.run(_last_chunks, p, job, choices, item)
+                    completion_tokens += tokens
+                elif whole_only:
                     continue
-                if whole_only:
-                    continue
-                for j, events in _by_sequence(item).items():
-                    choice = choices[j]
-                    if event := choice.echo(job, None):
-                        yield event
-                    content, calls = choice.output.push([e.token for e in events])
-                    lps = None
-                    if p.logprobs:
-                        lps = TokenLogprobs()
-                        for e in events:
-                            lps.add(e)
-                    if event := choice.chunk(content, calls, lps):
-                        yield event
+                else:
+                    events = await service.workers.run(_step_chunks, p, job, choices, item)
+                for event in events:
+                    yield event
         if p.include_usage:
             yield chunk(*header, used=usage(p.prompt_tokens, completion_tokens))
     except (OpenAIError, UserError) as exc:
@@ -141,6 +125,42 @@ async def _events(service: CompletionsService, p: Prepared) -> AsyncIterator[dic
     except Exception as exc:  # the status line is already sent: the error travels as an event
         log.exception("streaming %s failed", p.id)
         yield OpenAIError(500, f"internal server error: {exc}", kind="server_error").body()
+
+
+def _last_chunks(p: Prepared, job: SampleJob, choices: list[_ChoiceStream],
+                 result: SampleResult) -> tuple[list[dict], int]:
+    """Each choice's last chunks once its job's result is in (the echo, if not yet sent; the rest of its text, with
+    its finish_reason), and the completion tokens they hold."""
+    events, completion_tokens = [], 0
+    for choice, seq in zip(choices, result.sequences):
+        if event := choice.echo(job, result):
+            events.append(event)
+        shown = len(choice.output.tokens)
+        new = seq.tokens[shown:] if p.sampled_shown else []
+        content, calls = choice.output.push(new, final=True)
+        lps = TokenLogprobs.of_sequence(seq, shown) if p.logprobs and new else None
+        reason = choice.output.finish_reason(seq.stop_reason if p.sampled_shown else "length")
+        events.append(choice.chunk(content, calls, lps, reason))
+        completion_tokens += len(seq.tokens) if p.sampled_shown else 0
+    return events, completion_tokens
+
+
+def _step_chunks(p: Prepared, job: SampleJob, choices: list[_ChoiceStream], step: list[TokenEvent]) -> list[dict]:
+    """The chunks one sampler step's tokens make visible, choice by choice."""
+    events = []
+    for j, step_events in _by_sequence(step).items():
+        choice = choices[j]
+        if event := choice.echo(job, None):
+            events.append(event)
+        content, calls = choice.output.push([e.token for e in step_events])
+        lps = None
+        if p.logprobs:
+            lps = TokenLogprobs()
+            for e in step_events:
+                lps.add(e)
+        if event := choice.chunk(content, calls, lps):
+            events.append(event)
+    return events
 
 
 def _by_sequence(events: list[TokenEvent]) -> dict[int, list[TokenEvent]]:

@@ -1,5 +1,8 @@
 """The routes vLLM's OpenAI server has beside ``/v1``, which tools probe: ``/health``, ``/metrics`` (Prometheus
-text), ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``. HTTP only; errors in OpenAI's shape."""
+text), ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``. HTTP only; errors in OpenAI's shape. Tokenizing and
+decoding run in the completions service's workers, never on the event loop; ``/tokenize`` refuses a text longer than
+``--max-prompt-chars`` (by default, longer than the model's context can be) before tokenizing it, where vLLM's
+tokenizes any length."""
 
 from __future__ import annotations
 
@@ -24,31 +27,31 @@ async def health() -> Response:
     return Response(b"", media_type="text/plain")
 
 
-def _owner_vocab(services: Services, owner: str, model: str | None) -> tuple[Vocabulary, str]:
+async def _owner_vocab(services: Services, owner: str, model: str | None) -> tuple[Vocabulary, str]:
     completions = services.completions
     target = completions.sampling.weights.for_model(owner, completions.model_name(model))
-    return completions.vocabulary(target.base_model), target.base_model
+    return await completions.vocabulary(target.base_model), target.base_model
 
 
 @post("/tokenize", status_code=200)
 async def tokenize_route(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     req = parse_request(TokenizeRequest, await request.json())
-    vocab, base = _owner_vocab(services, owner, req.model)
-    return tokenize(vocab, req, services.sampling.limits[base].max_context)
+    vocab, base = await _owner_vocab(services, owner, req.model)
+    return await services.completions.workers.run(tokenize, vocab, req, services.sampling.limits[base].max_context)
 
 
 @post("/detokenize", status_code=200)
 async def detokenize_route(request: Request, owner: NamedDependency[str],
                            services: NamedDependency[Services]) -> dict:
     req = parse_request(DetokenizeRequest, await request.json())
-    vocab, base = _owner_vocab(services, owner, req.model)
-    return detokenize(vocab, req, services.sampling.limits[base].vocab_size)
+    vocab, base = await _owner_vocab(services, owner, req.model)
+    return await services.completions.workers.run(detokenize, vocab, req, services.sampling.limits[base].vocab_size)
 
 
 @get("/tokenizer_info")
 async def tokenizer_info_route(owner: NamedDependency[str], services: NamedDependency[Services],
                                model: str | None = None) -> dict:
-    vocab, base = _owner_vocab(services, owner, model)
+    vocab, base = await _owner_vocab(services, owner, model)
     return tokenizer_info(vocab, services.sampling.limits[base].max_context)
 
 

@@ -221,17 +221,29 @@ def _arguments(arguments: str | dict) -> dict | str:
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def completion_prompts(req: CompletionRequest, encode) -> list[list[int]]:
-    """The prompt as token lists: a string, strings, token ids, or lists of token ids (one request each)."""
+def completion_inputs(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompt as one input per prompt: a text still to tokenize, or token ids (a string, strings, token ids, or
+    lists of token ids). The server tokenizes the texts one by one off its event loop."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        prompts = [encode(prompt)]
+        inputs = [prompt]
     elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [encode(p) for p in prompt]
+        inputs = list(prompt)
     elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]
+        inputs = [list(prompt)]
     else:
-        prompts = [list(p) for p in prompt]
+        inputs = [list(p) for p in prompt]
+    _check_not_empty(inputs)
+    return inputs
+
+
+def completion_prompts(req: CompletionRequest, encode) -> list[list[int]]:
+    """The prompt as token lists, its texts tokenized by ``encode`` (one request each)."""
+    prompts = [encode(p) if isinstance(p, str) else p for p in completion_inputs(req)]
+    _check_not_empty(prompts)
+    return prompts
+
+
+def _check_not_empty(prompts: list) -> None:
     if not prompts or any(not p for p in prompts):
         raise OpenAIError(400, "prompt must not be empty", param="prompt")
-    return prompts

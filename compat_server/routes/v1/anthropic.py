@@ -30,7 +30,7 @@ async def create_message(request: Request, owner: NamedDependency[str],
                          services: NamedDependency[Services]) -> Response | Stream:
     req = parse_request(MessagesRequest, await request.json())
     completions = services.completions
-    prepared = completions.prepare(owner, chat_body(req), chat=True)
+    prepared = await completions.prepare(owner, chat_body(req), chat=True)
     stops = req.stop_sequences or []
     return await respond(request, completions, prepared, ignored_fields(req),
                          MessageStream(stops, prepared.prompt_tokens).translate, lambda answer: message(answer, stops))
@@ -40,7 +40,8 @@ async def create_message(request: Request, owner: NamedDependency[str],
 async def count_tokens(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     """The rendered prompt's length: what ``usage.input_tokens`` of the same request will say."""
     req = parse_request(CountTokensRequest, await request.json())
-    return {"input_tokens": services.completions.prepare(owner, prompt_body(req), chat=True).prompt_tokens}
+    prepared = await services.completions.prepare(owner, prompt_body(req), chat=True)
+    return {"input_tokens": prepared.prompt_tokens}
 
 
 def anthropic_error(request: Request, exc: Exception) -> Response:

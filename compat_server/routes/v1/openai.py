@@ -17,7 +17,7 @@ from compat_server.services import Services
 
 
 async def _answer(request: Request, services: Services, owner: str, chat: bool) -> Response | Stream:
-    prepared = services.completions.prepare(owner, await request.json(), chat)
+    prepared = await services.completions.prepare(owner, await request.json(), chat)
     return await respond(request, services.completions, prepared, prepared.ignored)
 
 

@@ -28,7 +28,7 @@ async def create_response(request: Request, owner: NamedDependency[str],
     req = parse_responses_request(await request.json())
     settings = echoed_settings(req)
     try:
-        prepared = completions.prepare(owner, chat_body(req), chat=True)
+        prepared = await completions.prepare(owner, chat_body(req), chat=True)
     except OpenAIError as exc:
         raise responses_error(exc) from None
     return await respond(request, completions, prepared, ignored_fields(req), ResponseEvents(settings).translate,
