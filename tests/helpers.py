@@ -85,6 +85,22 @@ def poll_future(url: str, request_id: str, key: str, deadline_s: float = 120) ->
         assert time.monotonic() < deadline, f"future {request_id} did not finish"
 
 
+def create_doubled(server, session_id: str, key: str = "tml-hostile-attacker") -> str:
+    """Issue 31, row 4's custom loss, written by hand (tracing drops Python tuples): ``t = (t,) + (t,)`` 24 times,
+    2**24 leaves in 24 values, then the sum of logprobs. Created in ``session_id`` of ``key``; returns its loss id."""
+    x = {"ref": "logprobs"}
+    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+             *({"op": "call_function", "name": f"t{i}", "target": "operator.add",
+                "args": [{"tuple": [{"ref": f"t{i - 1}"} if i else x]}] * 2} for i in range(24)),
+             {"op": "call_method", "name": "s", "target": "sum", "args": [x]},
+             {"op": "output", "name": "output", "target": "output", "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}]}]
+    answer = httpx.post(f"{server.base_url}/api/v1/create_custom_loss", headers={"X-API-Key": key}, timeout=60,
+                        json={"session_id": session_id, "custom_loss_seq_id": 7000, "name": "doubled",
+                              "inputs": [{"name": "logprobs", "rank": 1}], "graph": {"nodes": nodes}})
+    assert answer.status_code == 200, answer.text
+    return poll_future(server.base_url, answer.json()["request_id"], key)["loss_id"]
+
+
 def tree_digest(directory: Path) -> dict[str, str]:
     """Every file under ``directory`` (relative path → SHA-256): to show that nothing stored changed."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()

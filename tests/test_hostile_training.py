@@ -16,7 +16,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.helpers import BASE_MODEL, make_datum, poll_future
+from tests.helpers import BASE_MODEL, create_doubled, make_datum
 
 ADAM = types.AdamParams(learning_rate=1e-2)
 
@@ -38,22 +38,6 @@ def on_meta(logprobs):
 
 def floor_divided(logprobs):
     return operator.floordiv(logprobs, logprobs).sum(), {}  # runs forward; its backward raises
-
-
-def create_doubled(server, session_id: str) -> str:
-    """Row 4's loss, written by hand (tracing drops Python tuples): ``t = (t,) + (t,)`` 24 times, 2**24 leaves in
-    24 values, then the sum of logprobs. Returns its loss id."""
-    x = {"ref": "logprobs"}
-    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
-             *({"op": "call_function", "name": f"t{i}", "target": "operator.add",
-                "args": [{"tuple": [{"ref": f"t{i - 1}"} if i else x]}] * 2} for i in range(24)),
-             {"op": "call_method", "name": "s", "target": "sum", "args": [x]},
-             {"op": "output", "name": "output", "target": "output", "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}]}]
-    answer = httpx.post(f"{server.base_url}/api/v1/create_custom_loss", headers={"X-API-Key": "tml-hostile-attacker"},
-                        timeout=60, json={"session_id": session_id, "custom_loss_seq_id": 7000, "name": "doubled",
-                                          "inputs": [{"name": "logprobs", "rank": 1}], "graph": {"nodes": nodes}})
-    assert answer.status_code == 200, answer.text
-    return poll_future(server.base_url, answer.json()["request_id"], "tml-hostile-attacker")["loss_id"]
 
 
 def victim_data() -> list[types.Datum]:

@@ -382,11 +382,32 @@ def test_fields_the_backend_cannot_serve_are_user_errors(server, base_sampler, b
             assert future.result().prompt_alt_tokens is not None
 
 
-def test_a_dead_vllm_engine_fails_its_request_as_a_server_error_and_the_replica_restarts(server, base_sampler):
-    """Runs last in this module: it kills the vLLM engine process under a running request."""
+def engine_processes(replica_pid: int, deadline: float) -> list:
+    """The vLLM engine processes under a replica. vLLM titles its engine VLLM::EngineCore (the kernel's name keeps 15
+    characters; the command line has it whole); a process just spawned may not be titled yet, so look again until
+    ``deadline``, and say what was seen if none ever is."""
     import time
 
     import psutil
+
+    def title(process: psutil.Process) -> str:
+        try:
+            return " ".join([process.name(), *process.cmdline()[:2]])
+        except psutil.Error:
+            return ""
+
+    while True:
+        children = psutil.Process(replica_pid).children(recursive=True)
+        engines = [p for p in children if "EngineCor" in title(p)]
+        if engines or time.monotonic() > deadline:
+            assert engines, [(p.pid, title(p)) for p in children]
+            return engines
+        time.sleep(0.2)
+
+
+def test_a_dead_vllm_engine_fails_its_request_as_a_server_error_and_the_replica_restarts(server, base_sampler):
+    """Runs last in this module: it kills the vLLM engine process under a running request."""
+    import time
 
     before = sampling_metrics(server)
     if before["backend"] != "vllm":
@@ -399,11 +420,8 @@ def test_a_dead_vllm_engine_fails_its_request_as_a_server_error_and_the_replica_
     while sampling_metrics(server)["replicas"][0]["decoded_tokens"] == replica["decoded_tokens"]:
         assert time.monotonic() < deadline, "the long request never started decoding"
         time.sleep(0.05)
-    children = psutil.Process(replica["pid"]).children(recursive=True)
-    # vLLM titles it VLLM::EngineCore; the kernel's name keeps 15 characters, which psutil lengthens from the
-    # command line when it can read it.
-    engines = [p for p in children if p.name().startswith("VLLM::EngineCor")]
-    assert len(engines) == 1, [(p.pid, p.name(), p.cmdline()[:2]) for p in children]
+    engines = engine_processes(replica["pid"], time.monotonic() + 30)
+    assert len(engines) == 1, engines
     engines[0].kill()
     with pytest.raises(tinker.RequestFailedError) as failure:
         running.result()
