@@ -87,6 +87,29 @@ def hostile_calls(server) -> list[Callable[[], bool]]:
             return failure.category == tinker.types.RequestErrorCategory.User
         return False
 
+    def listed(logprobs):
+        square = (logprobs.unsqueeze(0) * logprobs.unsqueeze(1)).unsqueeze(0)
+        return square[[0] * 1024].sum(), {}
+
+    list_index = service.create_custom_loss(listed, {"logprobs": 1}).result()
+    long = make_datum(list(range(1, 200)), list(range(2, 102)))
+
+    def index_by_a_list() -> bool:
+        try:
+            training.forward_backward_custom([long], list_index).result()
+        except tinker.RequestFailedError as failure:
+            return failure.category == tinker.types.RequestErrorCategory.User
+        return False
+
+    def million_references() -> bool:
+        nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+                 {"op": "call_function", "name": "s", "target": "torch.add", "args": [{"ref": "logprobs"}] * 10**6}]
+        answer = httpx.post(f"{server.base_url}/api/v1/create_custom_loss", headers=headers, timeout=120,
+                            json={"session_id": service.holder.get_session_id(), "custom_loss_seq_id": 8000,
+                                  "name": "huge", "inputs": [{"name": "logprobs", "rank": 1}],
+                                  "graph": {"nodes": nodes}})
+        return answer.status_code == 400
+
     def schema_that_admits_nothing() -> bool:
         try:
             chat.chat.completions.create(model=BASE_MODEL, max_tokens=8, response_format=recursive,
@@ -124,8 +147,8 @@ def hostile_calls(server) -> list[Callable[[], bool]]:
         again = httpx.post(f"{server.base_url}/api/v1/auth/token", headers={"X-API-Key": token}, timeout=60)
         return again.status_code == 403
 
-    return [broken_loss, schema_that_admits_nothing, huge_prompt, date_out_of_range, huge_session, doubling_loss,
-            token_for_token]
+    return [broken_loss, schema_that_admits_nothing, huge_prompt, doubling_loss, million_references,
+            index_by_a_list, date_out_of_range, huge_session, token_for_token]
 
 
 def test_honest_tenants_see_no_error_while_one_tenant_attacks(server):

@@ -181,15 +181,19 @@ class TrainingService:
 
         return self.core.ordered(owner, kind, batch.model_id, batch.seq_id, idem, job)
 
+    def check_loss_session(self, owner: str, session_id: str) -> None:
+        """A custom loss is created in a live session of the caller's (404 for an unknown one or another key's)."""
+        session = self.records.runs.session(session_id, owner)
+        if session is None:
+            raise NotFound(f"unknown session_id {session_id!r}")
+        if session["finished"]:
+            raise UserError(f"session {session_id} has ended; create the loss in a live session")
+
     def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest, loss: CustomLoss, max_per_key: int,
                            idem: str | None) -> dict:
         """Store a traced loss (``loss``: ``req``'s graph, checked) at once (anything wrong is a 400 naming it); the
         future answers its id."""
-        session = self.records.runs.session(req.session_id, owner)
-        if session is None:
-            raise NotFound(f"unknown session_id {req.session_id!r}")
-        if session["finished"]:
-            raise UserError(f"session {req.session_id} has ended; create the loss in a live session")
+        self.check_loss_session(owner, req.session_id)  # again: the session may have ended while the graph was read
         digest = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
         loss_id = self.custom_losses.add(owner, req.session_id, req.custom_loss_seq_id, loss, digest, max_per_key)
 

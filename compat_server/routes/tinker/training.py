@@ -14,8 +14,7 @@ from pydantic import ValidationError
 from tinker import types
 
 from compat_server.services import Services
-from shims.custom_loss.graph import CustomLoss, compile_custom_loss
-from shims.custom_loss.limits import CustomLossLimits
+from shims.custom_loss.graph import compile_custom_loss
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumLimits, ForwardBackwardBatch, RejectedRequest, decode_forward_backward
 
@@ -76,8 +75,8 @@ async def forward_backward(request: Request, owner: NamedDependency[str], servic
     return services.training.forward_backward(owner, batch, idempotency_key(request))
 
 
-def _read_custom_loss(body: bytes, limits: CustomLossLimits) -> tuple[types.CreateCustomLossRequest, CustomLoss]:
-    """Parse and check an uploaded loss (in a worker thread: a graph at the limits takes a while to read)."""
+def _read_custom_loss(body: bytes) -> types.CreateCustomLossRequest:
+    """Parse an uploaded loss (in a worker thread, as its checking: a graph at the limits takes a while to read)."""
     try:
         data = types.CreateCustomLossRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -87,7 +86,7 @@ def _read_custom_loss(body: bytes, limits: CustomLossLimits) -> tuple[types.Crea
                             "a few levels deep (--custom-loss-max-nesting)") from None
         where = ".".join(str(part) for part in error["loc"])
         raise UserError(f"invalid create_custom_loss request: {where}: {error['msg']}") from None
-    return data, compile_custom_loss(data.name, data.inputs, data.graph.nodes, limits)
+    return data
 
 
 @post(f"{API}/create_custom_loss", status_code=200)
@@ -105,7 +104,9 @@ async def create_custom_loss(request: Request, owner: NamedDependency[str], serv
         raise UserError(f"this custom loss request is {len(body)} bytes; a graph within this server's limits "
                         f"(--custom-loss-max-nodes {limits.max_nodes}, --custom-loss-max-constants "
                         f"{limits.max_constants}) takes at most {limits.encoded_bytes()}")
-    data, loss = await asyncio.to_thread(_read_custom_loss, body, limits)
+    data = await asyncio.to_thread(_read_custom_loss, body)
+    services.training.check_loss_session(owner, data.session_id)
+    loss = await asyncio.to_thread(compile_custom_loss, data.name, data.inputs, data.graph.nodes, limits)
     return services.training.create_custom_loss(owner, data, loss, config.max_custom_losses_per_key,
                                                 idempotency_key(request))
 
