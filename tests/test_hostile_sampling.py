@@ -32,7 +32,7 @@ server, service_client = on_both_sampler_backends()  # every test here runs once
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 HONEST_TOKENS = 64
-BLOCKER_TOKENS = 1500
+BLOCKER_TOKENS = 400
 """The streamed request that holds the sampler while the others queue: long enough (it ignores its end of
 sequence) that both others arrive before it ends."""
 SELF_REFERENCE = {"$ref": "#"}

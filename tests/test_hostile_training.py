@@ -46,7 +46,7 @@ def victim_data() -> list[types.Datum]:
 
 def slow_data() -> list[types.Datum]:
     rng = np.random.default_rng(0)
-    return [make_datum(rng.integers(0, 400, 1000).tolist(), rng.integers(0, 400, 999).tolist()) for _ in range(24)]
+    return [make_datum(rng.integers(0, 400, 1000).tolist(), rng.integers(0, 400, 999).tolist()) for _ in range(12)]
 
 
 def batch_counts(server) -> dict:
