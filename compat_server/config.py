@@ -240,6 +240,11 @@ class ServerConfig:
         120.0, "seconds a model's queue waits for a missing seq_id before moving on (default: %(default)s)",
         check=ABOVE_ZERO)
     max_body_mb: int = option(64, "largest request body accepted, in MiB (default: %(default)s)", check=at_least(1))
+    keep_alive_seconds: float = option(
+        75.0, check=ABOVE_ZERO,
+        help="seconds an idle HTTP connection is kept open. Longer than clients keep theirs (httpx, under the openai, "
+             "anthropic and tinker SDKs: 5 s), so a client never sends on a connection the server is closing, which "
+             "a client with retries off sees as a connection error (default: %(default)s)")
     access_log: bool = option(False, "log every HTTP request")
     log_level: str = option("INFO", "log verbosity (default: %(default)s)",
                             choices=("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -92,3 +92,21 @@ def test_the_built_in_model_never_sends_the_server_to_the_hub(server):
     reply = chat.chat.completions.create(model=BASE_MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
     assert reply.usage.completion_tokens > 0
     assert "huggingface.co" not in server.log()
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    """httpx (under the openai, anthropic and tinker SDKs) keeps an idle connection for 5 s; a server that closes
+    its own at 5 s (uvicorn's default) races the client's next request on it, which a client with retries off saw as
+    ``APIConnectionError``. Idle for 6 s, the connection still answers (``--keep-alive-seconds``, 75 by default)."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.base_url)
+    request = f"GET /health HTTP/1.1\r\nHost: {address.hostname}\r\n\r\n".encode()
+    with socket.create_connection((address.hostname, address.port), timeout=30) as connection:
+        for _ in range(2):
+            connection.sendall(request)
+            answer = connection.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            time.sleep(6)

@@ -94,6 +94,7 @@ def serve(config: ServerConfig) -> None:
     server = uvicorn.Server(uvicorn.Config(
         create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
         access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5,
+        timeout_keep_alive=config.keep_alive_seconds,
         log_config=None,  # uvicorn's lines go through the server's own handler, in its format (text or JSON)
     ))
 
