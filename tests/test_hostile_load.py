@@ -30,12 +30,14 @@ SECONDS = float(os.environ.get("COMPAT_SERVER_HOSTILE_LOAD_SECONDS", "25"))
 HONEST = ("tinker-train", "tinker-sample", "openai", "anthropic", "responses", "tokenize")
 
 
-def honest_calls(server, index: int) -> Callable[[], None]:
-    """One honest client's call, repeated until the time is up; each checks its own answer."""
+def honest_calls(server, index: int, opened: list) -> Callable[[], None]:
+    """One honest client's call, repeated until the time is up; each checks its own answer. Tinker service clients
+    go into ``opened``, to be closed at the end."""
     kind = HONEST[index % len(HONEST)]
     key = f"tml-load-honest-{index}"
     if kind.startswith("tinker"):
         service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+        opened.append(service)
         training = service.create_lora_training_client(base_model=BASE_MODEL, rank=2, seed=index)
         datum = make_datum([3 + index, 4, 5], [6, 7, 8])
         if kind == "tinker-train":
@@ -70,11 +72,12 @@ def honest_calls(server, index: int) -> Callable[[], None]:
     return tokenize
 
 
-def hostile_calls(server) -> list[Callable[[], bool]]:
+def hostile_calls(server, opened: list) -> list[Callable[[], bool]]:
     """The attacks, each returning whether it was refused as the caller's own error."""
     key = "tml-load-hostile"
     headers = {"Authorization": f"Bearer {key}"}
     service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    opened.append(service)
     training = service.create_lora_training_client(base_model=BASE_MODEL, rank=2, seed=99)
     on_meta = service.create_custom_loss(lambda logprobs: (logprobs.to("meta").sum(), {}), {"logprobs": 1}).result()
     chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
@@ -156,9 +159,10 @@ def test_honest_tenants_see_no_error_while_one_tenant_attacks(server):
     failures: list[str] = []
     lock = threading.Lock()
     deadline = time.monotonic() + SECONDS
+    opened: list[tinker.ServiceClient] = []
 
     def honest(index: int) -> None:
-        call = honest_calls(server, index)
+        call = honest_calls(server, index, opened)
         while time.monotonic() < deadline:
             try:
                 call()
@@ -171,7 +175,7 @@ def test_honest_tenants_see_no_error_while_one_tenant_attacks(server):
                 outcomes[f"honest {kind}"] += 1
 
     def hostile() -> None:
-        attacks = hostile_calls(server)
+        attacks = hostile_calls(server, opened)
         turn = 0
         while time.monotonic() < deadline:
             attack = attacks[turn % len(attacks)]
@@ -183,10 +187,14 @@ def test_honest_tenants_see_no_error_while_one_tenant_attacks(server):
                 outcomes[f"hostile {'refused' if refused else 'NOT refused'}: {attack.__name__}"] += 1
             turn += 1
 
-    with ThreadPoolExecutor(16) as pool:
-        jobs = [pool.submit(honest, i) for i in range(15)] + [pool.submit(hostile)]
-        for job in jobs:
-            job.result()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            jobs = [pool.submit(honest, i) for i in range(15)] + [pool.submit(hostile)]
+            for job in jobs:
+                job.result()
+    finally:
+        for service in opened:
+            service.close("success")
     print(f"\nmixed load, {SECONDS:.0f} s: {dict(sorted(outcomes.items()))}")
     assert not failures, failures[:10]
     assert outcomes["honest ok"] >= 15
