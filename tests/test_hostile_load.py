@@ -72,6 +72,15 @@ def honest_calls(server, index: int, opened: list) -> Callable[[], None]:
     return tokenize
 
 
+def fails_as_user_error(call: Callable[[], object]) -> bool:
+    """Whether a Tinker call's future failed as the caller's own error."""
+    try:
+        call()
+    except tinker.RequestFailedError as failure:
+        return failure.category == tinker.types.RequestErrorCategory.User
+    return False
+
+
 def hostile_calls(server, opened: list) -> list[Callable[[], bool]]:
     """The attacks, each returning whether it was refused as the caller's own error."""
     key = "tml-load-hostile"
@@ -84,11 +93,8 @@ def hostile_calls(server, opened: list) -> list[Callable[[], bool]]:
     recursive = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#"}}}
 
     def broken_loss() -> bool:
-        try:
-            training.forward_backward_custom([make_datum([3, 4], [5, 6])], on_meta).result()
-        except tinker.RequestFailedError as failure:
-            return failure.category == tinker.types.RequestErrorCategory.User
-        return False
+        return fails_as_user_error(
+            lambda: training.forward_backward_custom([make_datum([3, 4], [5, 6])], on_meta).result())
 
     def listed(logprobs):
         square = (logprobs.unsqueeze(0) * logprobs.unsqueeze(1)).unsqueeze(0)
@@ -98,11 +104,7 @@ def hostile_calls(server, opened: list) -> list[Callable[[], bool]]:
     long = make_datum(list(range(1, 200)), list(range(2, 102)))
 
     def index_by_a_list() -> bool:
-        try:
-            training.forward_backward_custom([long], list_index).result()
-        except tinker.RequestFailedError as failure:
-            return failure.category == tinker.types.RequestErrorCategory.User
-        return False
+        return fails_as_user_error(lambda: training.forward_backward_custom([long], list_index).result())
 
     def million_references() -> bool:
         nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
@@ -139,11 +141,8 @@ def hostile_calls(server, opened: list) -> list[Callable[[], bool]]:
     doubled = create_doubled(server, service.holder.get_session_id(), key)
 
     def doubling_loss() -> bool:
-        try:
-            training.forward_backward([make_datum([3, 4], [5, 6])], "custom", {"loss_id": doubled}).result()
-        except tinker.RequestFailedError as failure:
-            return failure.category == tinker.types.RequestErrorCategory.User
-        return False
+        return fails_as_user_error(
+            lambda: training.forward_backward([make_datum([3, 4], [5, 6])], "custom", {"loss_id": doubled}).result())
 
     def token_for_token() -> bool:
         token = httpx.post(f"{server.base_url}/api/v1/auth/token", headers=headers, timeout=60).json()["jwt"]

@@ -152,7 +152,7 @@ class MixedForward:
         except Exception as exc:
             if custom is None:
                 raise
-            raise UserError(f"custom loss {custom.loss.name!r} failed: {type(exc).__name__}: {exc}") from None
+            raise _failed(request, exc) from None
         if not math.isfinite(loss):  # before backward: a bad request must not touch accumulated gradients
             raise UserError(f"the loss is not finite ({loss}); check the loss inputs")
         if not request.forward_only and custom is not None and not total.requires_grad:
