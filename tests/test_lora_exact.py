@@ -1,4 +1,4 @@
-"""The trainer's own LoRA execution (``adapters.lora.layers``: rows grouped by adapter) against PEFT, computed independently
+"""The trainer's own LoRA execution (``adapters.lora``: rows grouped by adapter) against PEFT, computed independently
 in the test: every loss's value, logprobs and gradient for adapters of different ranks and target layers in one mixed
 batch; logprobs scored in chunks equal to scored at once, gradients included; and a checkpoint written by PEFT
 itself loads and scores as PEFT scores it."""

@@ -136,7 +136,7 @@ def test_a_tied_models_unembedding_lora_changes_the_one_shared_matrix(tiny_model
     from transformers import AutoModelForCausalLM
 
     trainer = MultiLoRATrainer(str(tiny_model_dir))
-    assert trainer.tied
+    assert trainer.model.tied
     trainer.create("u", LoraSpec(rank=4, seed=9, train_attn=False, train_mlp=False))
     for _ in range(3):
         trainer.forward_backward("u", [DATUM], "cross_entropy", {}, False)

@@ -1,22 +1,32 @@
-"""An adapter on disk: which files a checkpoint holds, what its LoRA layout is, and how its tensors are named.
+"""An adapter on disk: which files a checkpoint holds, and how an adapter's tensors are named in them.
 
-Two namings exist, one per reader:
+An adapter in memory is ``{slot key: (A, B)}`` (``adapters.lora.model``). Two namings exist on disk, one per reader:
 
-- **Stored** (training and sampler checkpoints): a standard PEFT directory that PEFT, vLLM and this server's
-  samplers load as it is. When the base model ties its input embedding to its output head (``tie_word_embeddings``),
-  a LoRA on the unembedding changes that one shared matrix, so the trained model has the delta on both sides; the
-  directory then holds the input side too, as PEFT's embedding LoRA (``embed_tokens.lora_embedding_A/B``, the same
-  numbers transposed), so that any PEFT loader reproduces the trained model.
-- **Exported** (``save_weights_external``, what users download): hosted Tinker's names, which tinker-cookbook's
-  ``weights.build_hf_model`` merges: the unembedding LoRA is ``model.unembed_tokens``, once, and the merge puts it
-  into ``lm_head`` or, on a tied model, into the shared ``embed_tokens`` — the same model in both cases.
+- **Stored** (training and sampler checkpoints): PEFT's, as PEFT and vLLM load LoRA: every pair under
+  ``base_model.model.<module path>.lora_A/B.weight``, a routed expert's pairs as one 2-D pair per expert
+  (``…experts.<e>.gate_proj``), the layout tinker-cookbook's ``build_lora_adapter`` writes for vLLM. When the base
+  model ties its input embedding to its output head, a LoRA on the unembedding changes that one shared matrix, so the
+  directory also holds the input side as PEFT's embedding LoRA (``embed_tokens.lora_embedding_A/B``, the same numbers
+  transposed), so that any PEFT loader reproduces the trained model.
+- **Exported** (``save_weights_external``, what users download): hosted Tinker's, which tinker-cookbook's
+  ``weights.build_hf_model`` merges and ``build_lora_adapter`` converts: the unembedding as ``model.unembed_tokens``
+  (once), experts as 3-D pairs ``…experts.w1/w2/w3`` (``(experts, rank, in)``, ``(experts, out, rank)``; w1 gate,
+  w3 up, w2 down; a model without gates: w1 up, w2 down), fused projections as their trained parts
+  (``in_proj_q/k/v``, Mamba's ``gate_proj``/``x_proj``), gpt-oss's attention under ``.attn.``, and module paths of
+  the text model (``model.layers…``) also for a vision-language checkpoint, whose prefix the merge adds itself.
+
+Reading takes either naming, or a mix, back to slot keys (``AdapterNaming.read``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from adapters.lora.linear import Slot
+from shims.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -26,56 +36,124 @@ ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 
-ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
-UNEMBED_MODULES = ["lm_head"]
-HOSTED_UNEMBED = "unembed_tokens"
-"""Hosted Tinker's module name for the unembedding LoRA in exported adapters."""
-EMBED_MODULE = "embed_tokens"
-
 PEFT_PREFIX = "base_model.model."
 """PEFT's prefix for a module path in a saved adapter."""
-
-
-def lora_key(path: str, matrix: str) -> str:
-    """The saved name of LoRA matrix ``matrix`` ("A" or "B") of the layer at module path ``path``."""
-    return f"{PEFT_PREFIX}{path}.lora_{matrix}.weight"
-
-
-HEAD = "base_model.model.lm_head."
-HOSTED_HEAD = "base_model.model.model.unembed_tokens."
+HOSTED_UNEMBED = "model.unembed_tokens"
+"""Hosted Tinker's module path for the unembedding LoRA in exported adapters."""
 EMBED = "base_model.model.model.embed_tokens."
 EMBED_A, EMBED_B = f"{EMBED}lora_embedding_A", f"{EMBED}lora_embedding_B"
-HEAD_A, HEAD_B = lora_key("lm_head", "A"), lora_key("lm_head", "B")
+
+_EXPERT_SLOT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_HOSTED_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<w>w[123])$")
+_ATTENTION_ALIASES = {"GptOss": (".self_attn.", ".attn.")}
+"""Families whose attention hosted Tinker names differently: architecture name fragment → (ours, hosted)."""
 
 
-def with_tied_input_side(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The stored naming on a tied model: the unembedding LoRA (B·A on ``[vocab, hidden]``) once more as PEFT's
-    embedding LoRA, whose lookup ``A_emb.T[token] @ B_emb.T`` is then exactly row ``token`` of B·A."""
-    if HEAD_A not in state:
-        return state
-    return {**state, EMBED_A: state[HEAD_B].T.contiguous(), EMBED_B: state[HEAD_A].T.contiguous()}
+def _pair_names(path: str) -> tuple[str, str]:
+    return f"{PEFT_PREFIX}{path}.lora_A.weight", f"{PEFT_PREFIX}{path}.lora_B.weight"
 
 
-def for_loading(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The trainer's naming, from either stored or exported files: the input side of a tied unembedding is derived
-    from the head, never trained on its own, so it is dropped; hosted names become PEFT's."""
-    return {key.replace(HOSTED_HEAD, HEAD): value for key, value in state.items() if not key.startswith(EMBED)}
+class AdapterNaming:
+    """The names of one model's slots in both namings, and the way back."""
 
+    def __init__(self, slots: dict[str, Slot], head: str, arch: str, tied: bool) -> None:
+        """``head``: the output head's slot key; ``arch``: the model's architecture name (``GptOssForCausalLM``)."""
+        self.slots = slots
+        self.head = head
+        self.tied = tied
+        self.alias = next((pair for fragment, pair in _ATTENTION_ALIASES.items() if fragment in arch), None)
+        self._hosted_w: dict[str, str] = {}
+        """Expert slot key → its hosted ``w1/w2/w3`` name."""
+        experts: dict[str, list[str]] = {}
+        for key, slot in slots.items():
+            match = _EXPERT_SLOT.match(key)
+            if match and slot.experts:
+                experts.setdefault(match["experts"], []).append(match["proj"])
+        for path, projections in experts.items():
+            names = ({"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if "gate_proj" in projections
+                     else {"up_proj": "w1", "down_proj": "w2"})
+            for projection in projections:
+                self._hosted_w[f"{path}.{projection}"] = names[projection]
 
-def exported(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hosted Tinker's naming, for download: the unembedding LoRA once, as ``model.unembed_tokens``."""
-    return {key.replace(HEAD, HOSTED_HEAD): value for key, value in state.items() if not key.startswith(EMBED)}
+    # ---- writing ---------------------------------------------------------------------------------------------------
+    def stored(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The stored naming (PEFT's, per expert), with a tied unembedding's input side."""
+        out: dict[str, torch.Tensor] = {}
+        for key, (a, b) in tensors.items():
+            if self.slots[key].experts:
+                match = _EXPERT_SLOT.match(key)
+                for e in range(a.shape[0]):
+                    name_a, name_b = _pair_names(f"{match['experts']}.{e}.{match['proj']}")
+                    out[name_a], out[name_b] = a[e].contiguous(), b[e].contiguous()
+            else:
+                name_a, name_b = _pair_names(key)
+                out[name_a], out[name_b] = a, b
+        if self.tied and self.head in tensors:
+            a, b = tensors[self.head]
+            out[EMBED_A], out[EMBED_B] = b.T.contiguous(), a.T.contiguous()
+        return out
 
+    def exported(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Hosted Tinker's naming."""
+        out: dict[str, torch.Tensor] = {}
+        for key, (a, b) in tensors.items():
+            name_a, name_b = _pair_names(self._hosted_path(key))
+            out[name_a], out[name_b] = a.contiguous(), b.contiguous()
+        return out
 
-def target_modules(modules: list[str], *, tied: bool, export: bool) -> list[str]:
-    """``adapter_config.json``'s ``target_modules`` for the stored (``export`` false) or exported naming."""
-    base = [m for m in modules if m not in (*UNEMBED_MODULES, HOSTED_UNEMBED, EMBED_MODULE)]
-    if not set(modules) & {*UNEMBED_MODULES, HOSTED_UNEMBED}:
-        return base
-    if export:
-        return [*base, HOSTED_UNEMBED]
-    return [*base, *UNEMBED_MODULES, *([EMBED_MODULE] if tied else [])]
+    def _hosted_path(self, key: str) -> str:
+        if key == self.head:
+            return HOSTED_UNEMBED
+        if key in self._hosted_w:
+            return f"{key.rsplit('.', 1)[0]}.{self._hosted_w[key]}"
+        if self.alias:
+            return f".{key}".replace(*self.alias)[1:]
+        return key
+
+    def target_modules(self, keys: list[str], export: bool) -> list[str]:
+        """``adapter_config.json``'s ``target_modules``: the leaf module names the files use."""
+        if export:
+            return sorted({self._hosted_path(key).rsplit(".", 1)[-1] for key in keys})
+        leaves = {key.rsplit(".", 1)[-1] for key in keys}
+        return sorted(leaves | ({"embed_tokens"} if self.tied and self.head in keys else set()))
+
+    # ---- reading ---------------------------------------------------------------------------------------------------
+    def read(self, state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Slot key → (A, B) from a file in either naming. A tied unembedding's input side is derived from the head,
+        never trained on its own, so it is dropped. Names no slot has, and half pairs, are a ``UserError``."""
+        import torch
+
+        by_path: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in state.items():
+            if name.startswith(EMBED):
+                continue
+            match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", name)
+            if match is None:
+                raise UserError(f"adapter tensor {name} is not a LoRA pair this server reads")
+            by_path.setdefault(match[1], {})[match[2]] = tensor
+        hosted = {self._hosted_path(key): key for key in self.slots}
+        experts: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for path, pair in by_path.items():
+            if set(pair) != {"A", "B"}:
+                raise UserError(f"adapter tensor {path} has lora_{next(iter(pair))} but not its other half")
+            per_expert = _PER_EXPERT.match(path)
+            if per_expert and f"{per_expert['experts']}.{per_expert['proj']}" in self.slots:
+                slot = f"{per_expert['experts']}.{per_expert['proj']}"
+                experts.setdefault(slot, {})[int(per_expert["e"])] = (pair["A"], pair["B"])
+                continue
+            key = path if path in self.slots and not _HOSTED_EXPERT.match(path) else hosted.get(path)
+            if key is None:
+                raise UserError(f"adapter tensor {path} names no weight this model's LoRA adapts")
+            out[key] = (pair["A"], pair["B"])
+        for key, pairs in experts.items():
+            count = self.slots[key].experts
+            if sorted(pairs) != list(range(count)):
+                raise UserError(f"adapter {key} has pairs for {len(pairs)} of the model's {count} experts")
+            out[key] = (torch.stack([pairs[e][0] for e in range(count)]),
+                        torch.stack([pairs[e][1] for e in range(count)]))
+        return out
 
 
 def read_saved_step(directory: Path) -> int | None:
@@ -84,13 +162,14 @@ def read_saved_step(directory: Path) -> int | None:
     return int(json.loads(state_file.read_text())["step"]) if state_file.exists() else None
 
 
-def read_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], float]:
-    """A saved adapter's tensors in the trainer's naming (``for_loading``) and its LoRA scale (alpha / r). PEFT
-    variants that scale or shape LoRA differently are refused rather than applied wrongly."""
+def read_adapter_file(directory: Path) -> tuple[dict[str, torch.Tensor], float, int]:
+    """A saved adapter's tensors as named in the file, its LoRA scale (alpha / r) and rank. PEFT variants that scale
+    or shape LoRA differently are refused rather than applied wrongly."""
     from safetensors.torch import load_file
 
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
     unsupported = [key for key in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(key)]
     if unsupported:
-        raise ValueError(f"adapter_config.json sets {', '.join(unsupported)}, which this sampler does not apply")
-    return for_loading(load_file(str(directory / ADAPTER_WEIGHTS))), float(config["lora_alpha"]) / int(config["r"])
+        raise UserError(f"adapter_config.json sets {', '.join(unsupported)}, which this server does not apply")
+    rank = int(config["r"])
+    return load_file(str(directory / ADAPTER_WEIGHTS)), float(config["lora_alpha"]) / rank, rank

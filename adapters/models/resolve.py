@@ -38,6 +38,25 @@ def resolve_base_model(name: str, cache_root: Path | None = None) -> BaseModelSp
     return BaseModelSpec(name=name, location=name)
 
 
+@dataclass(frozen=True)
+class TextSettings:
+    """What the server needs to know of a base model's text side."""
+
+    vocab_size: int
+    """The width of the model's logits (which may exceed the tokenizer's vocabulary)."""
+    max_context: int
+    """The longest sequence its positions cover (``max_position_embeddings``; 2048 when the config names none)."""
+
+
+def text_settings(config) -> TextSettings:
+    """The text settings of a transformers config. A vision-language checkpoint (Qwen3.5/3.6 as published) keeps
+    them in its ``text_config``, not at the top, yet ``AutoModelForCausalLM`` loads it as its text model: this reads
+    them where transformers itself looks (``get_text_config(decoder=True)``: the config itself for a text model)."""
+    text = config.get_text_config(decoder=True)
+    return TextSettings(vocab_size=int(text.vocab_size),
+                        max_context=int(getattr(text, "max_position_embeddings", None) or 2048))
+
+
 SAMPLER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from adapters.actors import ray_node
-from adapters.lora.files import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
-from adapters.lora.layers import Router, wrap_linears
+from adapters.lora.model import LoRAModel
+from adapters.models.resolve import text_settings
 from adapters.trainer.files import CheckpointFiles
 from adapters.trainer.forward import MixedForward
 from adapters.trainer.interface import (
@@ -57,21 +57,20 @@ class MultiLoRATrainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         config = AutoConfig.from_pretrained(location)
+        text = text_settings(config)  # a vision-language checkpoint trains and serves as its text model
         base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device)
         base.requires_grad_(False)
+        self.model = LoRAModel(base)
+        """The base model with every weight matrix a LoRA adapts wrapped (``adapters.lora.targets``)."""
         self.facts = ModelFacts(
-            vocab_size=int(config.vocab_size), max_context=int(getattr(config, "max_position_embeddings", 2048)),
+            vocab_size=text.vocab_size, max_context=text.max_context,
             arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
-            pid=os.getpid(), boot=uuid.uuid4().hex,
+            pid=os.getpid(), boot=uuid.uuid4().hex, lora_targets=self.model.describe(),
         )
-        self.tied = base.get_output_embeddings().weight is base.get_input_embeddings().weight
-        """One matrix embeds tokens and unembeds them: an unembedding LoRA then acts on both sides."""
-        router = Router()
-        layers = wrap_linears(base, {*ATTN_MODULES, *MLP_MODULES, *UNEMBED_MODULES}, router)
-        self.adapters = AdapterTable(layers, self.device, max_adapters)
+        self.adapters = AdapterTable(self.model, self.device, max_adapters)
         """The training runs, by ``model_id``."""
-        self.forward_pass = MixedForward(base, router, self.tied, self.adapters, self.facts, self.device)
-        self.files = CheckpointFiles(self.adapters, location, self.tied)
+        self.forward_pass = MixedForward(self.model, self.adapters, self.facts, self.device)
+        self.files = CheckpointFiles(self.adapters, location, self.model.naming())
         self.optimizers = Optimizers(self.adapters)
 
     # ---- adapters -------------------------------------------------------------------------------------------------

@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 
 from adapters.disk import writing
-from adapters.lora import files as adapter_files
-from adapters.lora.files import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE, lora_key
-from adapters.trainer.interface import LORA_ALPHA, LoraSpec, read_lora_spec
+from adapters.lora.files import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE, AdapterNaming, read_adapter_file
+from adapters.trainer.interface import LoraSpec, read_lora_spec
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
 
@@ -20,12 +19,11 @@ from shims.errors import UserError
 class CheckpointFiles:
     """Writes the table's runs to checkpoint directories and reads them back, for ``MultiLoRATrainer``."""
 
-    def __init__(self, table: AdapterTable, location: str, tied: bool) -> None:
+    def __init__(self, table: AdapterTable, location: str, naming: AdapterNaming) -> None:
         self.table = table
         self.location = location
         """The base model's directory, named in each adapter's ``adapter_config.json``."""
-        self.tied = tied
-        """One matrix embeds and unembeds: a stored unembedding LoRA also names its input side."""
+        self.naming = naming
 
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory (adapter_config.json + adapter_model.safetensors) that any
@@ -36,25 +34,17 @@ class CheckpointFiles:
         """Write the adapter for download, named as hosted Tinker names it (``adapters.lora.files``)."""
         self._write_adapter(model_id, Path(directory), export=True)
 
-    def _tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """An adapter's LoRA matrices under PEFT's names, on the CPU."""
-        return {lora_key(path, x): params[name].detach().cpu()
-                for path, layer in self.table.layers.items() if name in layer.scaling
-                for x, params in (("A", layer.lora_a), ("B", layer.lora_b))}
-
     def _write_adapter(self, model_id: str, out: Path, export: bool) -> None:
         from peft import LoraConfig
         from safetensors.torch import save_file
 
         adapter = self.table.get_run(model_id)
-        state = self._tensors(adapter.name)
-        if export:
-            state = adapter_files.exported(state)
-        elif self.tied:
-            state = adapter_files.with_tied_input_side(state)
-        modules = adapter_files.target_modules(adapter.spec.target_modules(), tied=self.tied, export=export)
-        config = LoraConfig(r=adapter.spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none",
-                            target_modules=modules, base_model_name_or_path=self.location)
+        tensors = self.table.model.tensors(adapter.name)
+        state = self.naming.exported(tensors) if export else self.naming.stored(tensors)
+        alpha = round(adapter.scaling * adapter.spec.rank, 6)
+        config = LoraConfig(r=adapter.spec.rank, lora_alpha=int(alpha) if alpha.is_integer() else alpha, lora_dropout=0.0,
+                            bias="none", target_modules=self.naming.target_modules(list(tensors), export),
+                            base_model_name_or_path=self.location)
         with writing(out):
             out.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
@@ -85,40 +75,25 @@ class CheckpointFiles:
         return spec
 
     def staged(self, src: Path, spec: LoraSpec, with_optimizer: bool) -> Adapter:
-        """A temporary adapter holding the checkpoint in ``src`` (laid out as ``spec``), and its optimizer state and
-        step if ``with_optimizer``. A checkpoint that cannot be read is a ``UserError`` and leaves nothing behind."""
-        from safetensors.torch import load_file
-
-        staged = self.table.temporary(spec)
+        """A temporary adapter holding the checkpoint in ``src`` (in either naming, at its own alpha / rank), and its
+        optimizer state and step if ``with_optimizer``. The weight groups it is on are those its tensors are on. A
+        checkpoint that cannot be read is a ``UserError`` and leaves nothing behind."""
         try:
-            self._fill(staged.name, adapter_files.for_loading(load_file(str(src / ADAPTER_WEIGHTS))))
+            state, scaling, rank = read_adapter_file(src)
+            tensors = self.naming.read(state)
+            groups = self.table.model.slot_groups(tensors)
+            spec = replace(spec, rank=rank, train_attn="attn" in groups, train_mlp="mlp" in groups,
+                           train_unembed="unembed" in groups)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever a bad checkpoint raises, it is the caller's to fix
+            raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
+        staged = self.table.temporary(spec, tensors, scaling)
+        try:
             if with_optimizer:
                 staged.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.table.device))
                 staged.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
-        except UserError:
-            self.table.discard(staged)
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever a bad checkpoint raises, it is the caller's to fix
+        except Exception as exc:  # noqa: BLE001 - as above
             self.table.discard(staged)
             raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
         return staged
-
-    def _fill(self, name: str, state: dict[str, torch.Tensor]) -> None:
-        """Copy a saved adapter's matrices into adapter ``name``, which has the layout the checkpoint states."""
-        missing = []
-        with torch.no_grad():
-            for path, layer in self.table.layers.items():
-                if name not in layer.scaling:
-                    continue
-                for x, param in (("A", layer.lora_a[name]), ("B", layer.lora_b[name])):
-                    key = lora_key(path, x)
-                    tensor = state.get(key)
-                    if tensor is None:
-                        missing.append(key)
-                    elif tensor.shape != param.shape:
-                        raise UserError(f"checkpoint tensor {key} has shape {list(tensor.shape)}, but its "
-                                        f"configuration needs {list(param.shape)}")
-                    else:
-                        param.copy_(tensor)
-        if missing:
-            raise UserError(f"checkpoint is missing {len(missing)} adapter tensors, e.g. {missing[0]}")

@@ -1,6 +1,6 @@
 """The trainer's forward (and backward) pass: several runs' requests as one mixed-adapter batch through the base model.
 
-Every row goes through its own run's adapter (``adapters.lora.layers`` routes rows by adapter), each request's loss
+Every row goes through its own run's adapter (``adapters.lora.routing`` routes rows by adapter), each request's loss
 is computed on its own rows, and one backward adds each run's gradient to that run only. Scoring stays chunked so
 that a long datum never holds all of its logits at once.
 """
@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from adapters.lora.layers import LoRALinear, Router, with_tied_input_side
+from adapters.lora.linear import with_tied_input_side
+from adapters.lora.model import LoRAModel
 from adapters.trainer.interface import ModelFacts, StepRequest, StepResult
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.custom_loss.run import CustomLossBatch, check_custom_datum
@@ -31,14 +32,11 @@ LOGITS_CHUNK_ELEMENTS = 1 << 26
 class MixedForward:
     """Runs forward / forward_backward requests of the table's runs on one base model, for ``MultiLoRATrainer``."""
 
-    def __init__(self, base: torch.nn.Module, router: Router, tied: bool, table: AdapterTable, facts: ModelFacts,
-                 device: torch.device) -> None:
-        self.base = base
-        """The base model, its layers wrapped (``adapters.lora.layers.wrap_linears``) to route rows by ``router``."""
-        self.router = router
-        self.tied = tied
-        """One matrix embeds tokens and unembeds them: an unembedding LoRA then acts on both sides."""
-        self.head: LoRALinear = base.get_output_embeddings()
+    def __init__(self, model: LoRAModel, table: AdapterTable, facts: ModelFacts, device: torch.device) -> None:
+        self.model = model
+        """The base model, its LoRA modules routing rows by ``model.router``."""
+        self.base = model.base
+        self.head = model.head
         self.table = table
         self.facts = facts
         self.device = device
@@ -69,7 +67,7 @@ class MixedForward:
                 continue
             ready.append((index, request, adapter, config))
         if ready:
-            ready.sort(key=lambda item: item[2].name)  # each adapter's rows become one slice (adapters.lora.layers)
+            ready.sort(key=lambda item: item[2].name)  # each adapter's rows become one slice (adapters.lora.routing)
             self._run_isolated(ready, outcomes, started)
         return outcomes  # type: ignore[return-value]
 
@@ -170,9 +168,9 @@ class MixedForward:
             ids[i, : d.tokens.size] = torch.tensor(d.tokens)
             mask[i, : d.tokens.size] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        with self.router.routing(names):
+        with self.model.router.routing(names):
             embeds = self.base.get_input_embeddings()(ids)
-            if self.tied:
+            if self.model.tied:
                 embeds = with_tied_input_side(embeds, ids, self.head)
             return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
 

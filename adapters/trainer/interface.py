@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from adapters.lora.files import (
-    ADAPTER_CONFIG,
-    ATTN_MODULES,
-    HOSTED_UNEMBED,
-    MLP_MODULES,
-    TRAINER_STATE,
-    UNEMBED_MODULES,
-)
+from adapters.lora.files import ADAPTER_CONFIG, TRAINER_STATE
 from shims.custom_loss.graph import CustomLoss
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -44,14 +37,15 @@ class LoraSpec:
     optimizer: str = "adamw"
     """The optimizer family chosen at creation (``optimizer_config``): ``adamw`` or ``dimuon``."""
 
-    def target_modules(self) -> list[str]:
-        return ((ATTN_MODULES if self.train_attn else []) + (MLP_MODULES if self.train_mlp else [])
-                + (UNEMBED_MODULES if self.train_unembed else []))
+    def groups(self) -> list[str]:
+        """The weight groups (``adapters.lora.targets``) the adapter is on."""
+        return [group for group, on in (("attn", self.train_attn), ("mlp", self.train_mlp),
+                                        ("unembed", self.train_unembed)) if on]
 
     def validate(self) -> None:
         if not 1 <= self.rank <= MAX_LORA_RANK:
             raise UserError(f"LoRA rank must be between 1 and {MAX_LORA_RANK}, got {self.rank}")
-        if not self.target_modules():
+        if not self.groups():
             raise UserError("at least one of train_mlp, train_attn, train_unembed must be true")
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"optimizer {self.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
@@ -115,6 +109,9 @@ class ModelFacts:
     pid: int = 0
     boot: str = ""
     """Differs every time the trainer process starts: a changed value means it was restarted and holds no adapters."""
+    lora_targets: dict[str, list[str]] = field(default_factory=dict)
+    """What a LoRA adapts on this model, by weight group (``attn``, ``mlp``, ``unembed``): each distinct weight once
+    (``adapters.lora.model.LoRAModel.describe``)."""
 
 
 @dataclass
@@ -150,7 +147,7 @@ class StepResult:
 
 
 def read_lora_spec(directory: Path) -> LoraSpec:
-    """The LoRA layout of a saved adapter: from our trainer state if present, else from its PEFT config."""
+    """The LoRA layout of a saved adapter: from our trainer state if present, else as its PEFT config suggests."""
     state_file = directory / TRAINER_STATE
     if state_file.exists():
         return LoraSpec(**json.loads(state_file.read_text())["lora"])
@@ -160,6 +157,11 @@ def read_lora_spec(directory: Path) -> LoraSpec:
                         "inspected or loaded here" if encrypted else "this checkpoint holds no adapter configuration")
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
     modules = set(config["target_modules"])
-    return LoraSpec(rank=int(config["r"]), seed=0, train_attn=bool(modules & set(ATTN_MODULES)),
-                    train_mlp=bool(modules & set(MLP_MODULES)),
-                    train_unembed=bool(modules & {*UNEMBED_MODULES, HOSTED_UNEMBED}))
+    return LoraSpec(rank=int(config["r"]), seed=0, train_attn=bool(modules - _MLP_LEAVES - _HEAD_LEAVES),
+                    train_mlp=bool(modules & _MLP_LEAVES), train_unembed=bool(modules & _HEAD_LEAVES))
+
+
+_MLP_LEAVES = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "fc1_latent_proj", "fc2_latent_proj"}
+_HEAD_LEAVES = {"lm_head", "unembed_tokens", "embed_tokens"}
+"""For a PEFT directory without our trainer state, the groups its ``target_modules`` suggest (the trainer itself
+goes by the tensors: ``adapters.trainer.files``)."""

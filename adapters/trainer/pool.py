@@ -80,8 +80,9 @@ class TrainerPool:
         facts = await asyncio.gather(*(self.actors[n].model_facts.remote() for n in self.models))
         self.facts = dict(zip(self.models, facts))
         for name, fact in self.facts.items():
-            log.info("trainer ready: %s (%s, vocab %d, context %d, %s, Ray node %s)", name, fact.arch,
-                     fact.vocab_size, fact.max_context, fact.device, fact.node[:12])
+            log.info("trainer ready: %s (%s, vocab %d, context %d, %s, Ray node %s); LoRA adapts %s", name, fact.arch,
+                     fact.vocab_size, fact.max_context, fact.device, fact.node[:12],
+                     "; ".join(f"{group}: {', '.join(names) or 'nothing'}" for group, names in fact.lora_targets.items()))
 
     def _runner(self, base_model: str):
         async def run(requests: list[StepRequest | OptimRequest]) -> list:

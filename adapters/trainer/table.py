@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.lora.layers import LoRALinear
+from adapters.lora.model import LoRAModel
 from adapters.trainer.dimuon import Dimuon
 from adapters.trainer.interface import LORA_ALPHA, AdamHyper, LoraSpec
 from shims.errors import UserError
@@ -26,17 +26,19 @@ class Adapter:
     """Its name in every LoRA layer (``adapter_<n>``), unique for the trainer's lifetime."""
     spec: LoraSpec
     params: list[torch.nn.Parameter]
-    """A and B of every adapted layer, in the model's layer order (the order optimizer state is saved in)."""
+    """A and B of every adapted slot, in the model's order (the order optimizer state is saved in)."""
     optimizer: torch.optim.Optimizer
+    scaling: float
+    """alpha / rank: ``LORA_ALPHA / rank`` when created here; a loaded checkpoint's own."""
     step: int = 0
 
 
 class AdapterTable(Mapping[str, Adapter]):
     """The training runs on one base model, by ``model_id``; also builds and drops the temporary adapters."""
 
-    def __init__(self, layers: dict[str, LoRALinear], device: torch.device, max_adapters: int) -> None:
-        self.layers = layers
-        """Every layer a LoRA may target, by module path; each adapter is on the ones its spec names."""
+    def __init__(self, model: LoRAModel, device: torch.device, max_adapters: int) -> None:
+        self.model = model
+        """The base model with its LoRA modules; each adapter is on the weight groups its spec names."""
         self.device = device
         self.max_adapters = max_adapters
         self._runs: dict[str, Adapter] = {}
@@ -82,28 +84,29 @@ class AdapterTable(Mapping[str, Adapter]):
             self.unload(model_id)
         self._runs[model_id] = adapter
 
-    def temporary(self, spec: LoraSpec) -> Adapter:
-        """A freshly initialised adapter in the layers but in no run: the caller installs or discards it."""
+    def temporary(self, spec: LoraSpec, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                  scaling: float | None = None) -> Adapter:
+        """An adapter in the model but in no run: freshly initialised as ``spec`` says, or holding ``tensors`` (by
+        slot key; a ``UserError`` if they do not fit the model) at ``scaling``. The caller installs or discards it."""
         spec.validate()
         self._counter += 1
         name = f"adapter_{self._counter}"
-        targets = set(spec.target_modules())
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed)
-            for path, layer in self.layers.items():
-                if path.rsplit(".", 1)[-1] in targets:
-                    layer.add(name, spec.rank, LORA_ALPHA / spec.rank)
-        params = [p for layer in self.layers.values() if name in layer.scaling
-                  for p in (layer.lora_a[name], layer.lora_b[name])]
+        scaling = LORA_ALPHA / spec.rank if scaling is None else scaling
+        if tensors is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(spec.seed)
+                self.model.add(name, spec.rank, scaling, spec.groups())
+        else:
+            self.model.put(name, tensors, scaling, trainable=True)
+        params = self.model.params(name)
         if spec.optimizer == "dimuon":
             optimizer: torch.optim.Optimizer = Dimuon(params, spec.rank)
         elif self.device.type == "cuda":  # one kernel for all of a run's tensors
             optimizer = torch.optim.AdamW(params, lr=AdamHyper.learning_rate, fused=True)
         else:
             optimizer = torch.optim.AdamW(params, lr=AdamHyper.learning_rate, foreach=True)
-        return Adapter(name=name, spec=spec, params=params, optimizer=optimizer)
+        return Adapter(name=name, spec=spec, params=params, optimizer=optimizer, scaling=scaling)
 
     def discard(self, adapter: Adapter) -> None:
-        """Remove an adapter's matrices from every layer (a temporary one, or an unloaded run's)."""
-        for layer in self.layers.values():
-            layer.remove(adapter.name)
+        """Remove an adapter's matrices from the model (a temporary one, or an unloaded run's)."""
+        self.model.remove(adapter.name)

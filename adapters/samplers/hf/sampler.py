@@ -2,7 +2,7 @@
 
 Concurrent requests are not run one by one: every request that is waiting when the model becomes free joins one
 batch (up to ``max_batch_sequences`` sequences), each row with its own LoRA adapter, its own sampling parameters and
-its own random generator. Adapters run through ``adapters.lora.layers`` (the trainer's LoRA execution): requests are
+its own random generator. Adapters run through ``adapters.lora.model`` (the trainer's LoRA model and loader): requests are
 ordered by adapter so each adapter's rows are one slice of the batch, which ``adapters.samplers.hf.decode`` decodes.
 """
 
@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from adapters.batching import Coalescer
-from adapters.lora.files import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, read_adapter
-from adapters.lora.layers import LoRALinear, Router, install, with_tied_input_side, wrap_linears
-from adapters.models.resolve import resolve_dtype
+from adapters.lora.files import read_adapter_file
+from adapters.lora.linear import with_tied_input_side
+from adapters.lora.model import LoRAModel
+from adapters.models.resolve import resolve_dtype, text_settings
 from adapters.samplers.grammar import JsonGrammars, check_constraint
 from adapters.samplers.hf.decode import BatchDecoder, BatchRequest
 from adapters.samplers.interface import AdapterRef, OnToken, ResidentAdapters, SamplerBackend, SamplerFacts
@@ -51,21 +52,20 @@ class TransformersSampler(SamplerBackend):
         self.tokenizer = AutoTokenizer.from_pretrained(location)
         self.base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device).eval()
         self.base.requires_grad_(False)
-        self.tied = self.base.get_output_embeddings().weight is self.base.get_input_embeddings().weight
-        self.router = Router()
-        self.layers = wrap_linears(self.base, {*ATTN_MODULES, *MLP_MODULES, *UNEMBED_MODULES}, self.router)
-        self.head: LoRALinear = self.base.get_output_embeddings()
-        config = self.base.config
+        self.model = LoRAModel(self.base)
+        """The same LoRA model the trainer holds: adapters load, scale and compute as they train."""
+        self.naming = self.model.naming()
+        text = text_settings(self.base.config)
         eos = self.base.generation_config.eos_token_id if self.base.generation_config else None
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._decoder = BatchDecoder(self._forward, self.device, self.pad_id, self.eos_ids, self.tokenizer.decode,
-                                     JsonGrammars(self.tokenizer, int(config.vocab_size), disable_any_whitespace))
+                                     JsonGrammars(self.tokenizer, text.vocab_size, disable_any_whitespace))
         self._facts = SamplerFacts(
-            backend="transformers", vocab_size=int(config.vocab_size),
-            max_context=min(int(getattr(config, "max_position_embeddings", 2048)), max_model_len or 1 << 62),
+            backend="transformers", vocab_size=text.vocab_size,
+            max_context=min(text.max_context, max_model_len or 1 << 62),
             device=str(self.device), max_resident=max_resident, dtype=str(dtype).removeprefix("torch."))
         self.max_batch_sequences = max_batch_sequences
         self.adapters = ResidentAdapters(max_resident)
@@ -138,8 +138,8 @@ class TransformersSampler(SamplerBackend):
         name = f"slot_{slot.slot_id}"
         if slot.load:
             try:
-                tensors, scaling = read_adapter(Path(ref.directory))
-                install(self.layers, name, tensors, scaling)
+                state, scaling, _ = read_adapter_file(Path(ref.directory))
+                self.model.put(name, self.naming.read(state), scaling)
             except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
                 self.adapters.forget(ref.key, slot.slot_id)
                 raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None
@@ -150,8 +150,7 @@ class TransformersSampler(SamplerBackend):
 
     def _unload(self, slot_ids) -> None:
         for slot_id in slot_ids:
-            for layer in self.layers.values():
-                layer.remove(f"slot_{slot_id}")
+            self.model.remove(f"slot_{slot_id}")
             log.info("adapter evicted from sampler: slot_%d", slot_id,
                      extra={"event": "adapter_evicted", "slot": f"slot_{slot_id}"})
 
@@ -190,8 +189,8 @@ class TransformersSampler(SamplerBackend):
         return outcomes
 
     def _forward(self, adapter_names: list[str | None], input_ids: torch.Tensor, **kwargs):
-        with self.router.routing(adapter_names):
+        with self.model.router.routing(adapter_names):
             embeds = self.base.get_input_embeddings()(input_ids)
-            if self.tied:
-                embeds = with_tied_input_side(embeds, input_ids, self.head)
+            if self.model.tied:
+                embeds = with_tied_input_side(embeds, input_ids, self.model.head)
             return self.base(inputs_embeds=embeds, **kwargs)

@@ -1,0 +1,117 @@
+"""LoRA on a mixture of experts whose weights are 3-D parameters (transformers' experts modules): one low-rank pair
+per expert and projection, computed grouped over the tokens routed to each expert.
+
+transformers (5.x) stores a MoE layer's routed experts as one module with 3-D parameters — ``gate_up_proj`` (or
+``up_proj`` alone) and ``down_proj`` — and describes their layout on the module (``has_gate``, ``has_bias``,
+``is_transposed``, ``is_concatenated``, ``_apply_gate``, ``act_fn``). ``LoRAExperts`` wraps such a module and, for
+rows with an adapter, runs the experts itself: the (token, expert) pairs are sorted by expert once, and every
+projection is a grouped matmul over those groups — the base weight's, then ``scale · (x·Aₑᵀ)·Bₑᵀ`` as two more
+grouped matmuls through the expert's A and B. No Python loop over tokens or experts (a loop over experts only where
+the grouped kernel cannot take the shapes). Rows without an adapter run through the wrapped module itself.
+
+An adapter holds, per expert, hosted Tinker's pairs: ``gate_proj`` and ``up_proj`` (one each, even where the model
+fuses them into ``gate_up_proj``, interleaved for gpt-oss) and ``down_proj``; A is ``(experts, rank, in)`` and B
+``(experts, out, rank)``, the shapes hosted Tinker exports.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from adapters.lora.linear import Pairs, Slot
+from adapters.lora.routing import Router
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module of 3-D weights this file can adapt."""
+    return (hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "num_experts")
+            and isinstance(getattr(module, "down_proj", None), nn.Parameter))
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[rows of group g] @ weight[g]`` for every group, the groups ending at ``offsets`` (int32 cumulative ends).
+    The grouped kernel needs every stride, forward and backward, a multiple of 16 bytes, so every dimension too;
+    other shapes (a rank of 2, an odd expert size) take one matmul per expert."""
+    size = x.element_size()
+    dims = (weight.shape[-2], weight.shape[-1])
+    strides = [stride for t in (x, weight) for stride in t.stride() if stride != 1]
+    if all(n * size % 16 == 0 for n in (*dims, *strides)) and x.data_ptr() % 16 == weight.data_ptr() % 16 == 0:
+        return nn.functional.grouped_mm(x, weight, offs=offsets)
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    parts = [x[lo:hi] @ weight[e] for e, (lo, hi) in enumerate(zip(starts, ends, strict=True)) if hi > lo]
+    return torch.cat(parts) if parts else x.new_zeros((0, weight.shape[-1]))
+
+
+class LoRAExperts(nn.Module):
+    """A frozen transformers experts module plus any number of named LoRA adapters on its experts."""
+
+    def __init__(self, base: nn.Module, router: Router, path: str) -> None:
+        super().__init__()
+        self.base = base
+        self.router = router
+        first = base.gate_up_proj if base.has_gate else base.up_proj
+        experts = int(first.shape[0])
+        # (in, out) of the first projection and of down_proj, whichever way round the module stores them.
+        in_first, out_first = (first.shape[1], first.shape[2]) if base.is_transposed else (first.shape[2],
+                                                                                             first.shape[1])
+        in_down, out_down = ((base.down_proj.shape[1], base.down_proj.shape[2]) if base.is_transposed
+                             else (base.down_proj.shape[2], base.down_proj.shape[1]))
+        hidden = out_first // 2 if base.has_gate else out_first
+        slots = [Slot(f"{path}.{name}", "mlp", int(in_first), int(hidden), experts)
+                 for name in (("gate_proj", "up_proj") if base.has_gate else ("up_proj",))]
+        slots.append(Slot(f"{path}.down_proj", "mlp", int(in_down), int(out_down), experts))
+        self.adapters = Pairs(slots)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        routing = self.router.active(self.adapters.scaling)
+        if routing is None:
+            return self.run(hidden, top_k_index, top_k_weights, None)
+        per_row = hidden.shape[0] // routing.rows  # tokens of each batch row, flattened row by row
+        parts = []
+        for name, lo, hi in routing.groups:
+            rows = slice(lo * per_row, hi * per_row)
+            parts.append(self.run(hidden[rows], top_k_index[rows], top_k_weights[rows],
+                                  name if name in self.adapters else None))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def run(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            name: str | None) -> torch.Tensor:
+        """The experts' output for ``hidden`` (tokens × features) through adapter ``name`` (None: the base experts,
+        computed the same way, so that an adapter whose B is zero gives exactly the base output; and on any shapes,
+        where transformers' own grouped path needs aligned ones)."""
+        base = self.base
+        tokens, top_k = top_k_index.shape
+        expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+        x = hidden[order // top_k]
+        counts = torch.bincount(expert_ids, minlength=self.adapters.slots[0].experts)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        scale = self.adapters.scaling[name] if name is not None else 0.0
+        pairs = [(a.to(x.dtype), b.to(x.dtype)) for a, b in self.adapters.pairs[name]] if name is not None else []
+
+        def lora(inputs: torch.Tensor, index: int) -> torch.Tensor | float:
+            if not pairs:
+                return 0.0
+            a, b = pairs[index]
+            return grouped_mm(grouped_mm(inputs, a.transpose(1, 2), offsets), b.transpose(1, 2), offsets) * scale
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            out = grouped_mm(inputs, weight if base.is_transposed else weight.transpose(1, 2), offsets)
+            return out + bias[expert_ids] if bias is not None else out
+
+        if base.has_gate:
+            up = project(x, base.gate_up_proj, base.gate_up_proj_bias if base.has_bias else None)
+            if pairs:
+                gate_delta, up_delta = lora(x, 0), lora(x, 1)
+                if base.is_concatenated:
+                    up = up + torch.cat([gate_delta, up_delta], dim=-1)
+                else:  # interleaved: gate₀ up₀ gate₁ up₁ …
+                    up = up + torch.stack([gate_delta, up_delta], dim=-1).flatten(-2)
+            inner = base._apply_gate(up)
+        else:
+            inner = base.act_fn(project(x, base.up_proj, base.up_proj_bias if base.has_bias else None) + lora(x, 0))
+        out = project(inner, base.down_proj, base.down_proj_bias if base.has_bias else None) + lora(inner, -1)
+        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
+        return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)

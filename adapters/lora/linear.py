@@ -1,0 +1,154 @@
+"""LoRA on an ``nn.Linear``: every adapted linear layer holds each adapter's A and B, and a batch's rows go through the
+adapter they belong to (``adapters.lora.routing``).
+
+Each adapter's rows are one contiguous slice of the batch; the layer adds each slice's delta ``scale · (x·Aᵀ)·Bᵀ`` to
+its slice of the base output and concatenates: two small matmuls per adapter present, no per-row gather or scatter
+(PEFT's per-row routing indexed, copied and scattered every row of every layer: ~40% of a GPU step), no host
+synchronisation, and one plain add when the whole batch has one adapter. Adapters of any rank and any subset of
+layers coexist: a layer without a given adapter leaves its rows as the base computes them.
+
+A layer may carry its LoRA as several *slots*, each over a slice of its output rows with its own A and B: hosted
+Tinker trains some fused projections as their parts (Qwen3.5's ``in_proj_qkv`` as ``in_proj_q/k/v``, Nemotron's Mamba
+``in_proj`` as ``gate_proj`` + ``x_proj``), so that is what an adapter holds (``adapters.lora.targets``).
+
+The LoRA parameters are float32 whatever the base model's dtype (an optimizer's updates are far smaller than a bf16
+ulp); the delta is computed in the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from adapters.lora.routing import Router
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place an adapter has one LoRA pair: its name in saved files, which weight group it belongs to, and the
+    shapes of A ``([experts,] rank, in_features)`` and B ``([experts,] out_features, rank)``."""
+
+    key: str
+    """The module path it is saved under (``model.layers.0.self_attn.q_proj``; for experts the projection,
+    ``model.layers.1.mlp.experts.gate_proj``)."""
+    group: str
+    """``attn`` (token mixers: attention of every kind, linear attention, Mamba), ``mlp`` (dense, shared and routed
+    experts) or ``unembed`` (the output head): what ``train_attn`` / ``train_mlp`` / ``train_unembed`` select."""
+    in_features: int
+    out_features: int
+    experts: int = 0
+    """0: one 2-D pair; otherwise one pair per expert, stored as 3-D tensors."""
+
+    def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        lead = (self.experts,) if self.experts else ()
+        return (*lead, rank, self.in_features), (*lead, self.out_features, rank)
+
+    def initial(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh pair as PEFT initialises one: A uniform like ``nn.Linear``'s default (Kaiming, a=√5, i.e. ±1/√in
+        per expert), B zero, so the adapter starts as the base model. Drawn on the CPU from the global generator
+        (the caller seeds it), so a seed gives the same adapter on every device."""
+        a_shape, b_shape = self.shapes(rank)
+        a = torch.empty(a_shape)
+        for matrix in a if self.experts else [a]:
+            nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
+        return a, torch.zeros(b_shape)
+
+
+class Pairs:
+    """The adapters of one LoRA module: per adapter name, one (A, B) per slot and the scale, as float32 parameters on
+    the module's device. Plain dictionaries, not registered submodules: the owners (trainer, sampler) hold the
+    parameter lists they train or read."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.slots = slots
+        self.pairs: dict[str, list[tuple[nn.Parameter, nn.Parameter]]] = {}
+        self.scaling: dict[str, float] = {}
+
+    def put(self, name: str, tensors: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
+            device: torch.device, trainable: bool) -> None:
+        self.pairs[name] = [(nn.Parameter(a.to(device, torch.float32), requires_grad=trainable),
+                             nn.Parameter(b.to(device, torch.float32), requires_grad=trainable)) for a, b in tensors]
+        self.scaling[name] = scaling
+
+    def remove(self, name: str) -> None:
+        self.pairs.pop(name, None)
+        self.scaling.pop(name, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.scaling
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus any number of named LoRA adapters on it, each with one pair per slot."""
+
+    def __init__(self, base: nn.Linear, router: Router, slots: list[Slot], rows: list[tuple[int, int]]) -> None:
+        """``rows``: the output rows each slot covers, in order (one slot: all of them)."""
+        super().__init__()
+        self.base = base
+        self.router = router
+        self.rows = rows
+        self.adapters = Pairs(slots)
+        self._whole = len(rows) == 1 and rows[0] == (0, base.out_features)
+        self._contiguous = rows[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base weight, for code that reads it (a tied embedding, transformers' own checks)."""
+        return self.base.weight
+
+    def delta(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``name``'s contribution for inputs ``x``, whatever the routing."""
+        scale = self.adapters.scaling[name]
+        parts = []
+        for a, b in self.adapters.pairs[name]:
+            if a.dtype != x.dtype:
+                a, b = a.to(x.dtype), b.to(x.dtype)
+            parts.append(nn.functional.linear(nn.functional.linear(x, a), b) * scale)
+        if self._whole:
+            return parts[0]
+        out_rows = self.base.out_features
+        if self._contiguous and self.rows[-1][1] == out_rows:
+            return torch.cat(parts, dim=-1)
+        full = x.new_zeros((*x.shape[:-1], out_rows))
+        for (lo, hi), part in zip(self.rows, parts, strict=True):
+            full = full.index_add(-1, torch.arange(lo, hi, device=x.device), part)
+        return full
+
+    def with_adapter(self, x: torch.Tensor, name: str | None) -> torch.Tensor:
+        """The layer's output for ``x`` through adapter ``name`` (or the base), independent of the routing — for
+        recomputation in backward, after the forward's routing is gone."""
+        y = self.base(x)
+        return y + self.delta(x, name) if name is not None and name in self.adapters else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        routing = self.router.active(self.adapters.scaling)
+        if routing is None:
+            return y
+        if len(routing.groups) == 1:
+            return y + self.delta(x, routing.groups[0][0])
+        parts = [y[lo:hi] + self.delta(x[lo:hi], name) if name in self.adapters else y[lo:hi]
+                 for name, lo, hi in routing.groups]
+        return torch.cat(parts)
+
+
+def with_tied_input_side(embeds: torch.Tensor, ids: torch.Tensor, head: LoRALinear) -> torch.Tensor:
+    """Input embeddings of a tied model (one matrix embeds and unembeds), with each row's unembedding LoRA applied
+    to that shared matrix on the input side too: row ``t`` of scale·B·A is scale·B[t]·A, from the same parameters the
+    head uses (so training gives the one matrix one gradient). Rows go by the routing the head's router holds."""
+    routing = head.router.active(head.adapters.scaling)
+    if routing is None:
+        return embeds
+    parts = []
+    for name, lo, hi in routing.groups:
+        part = embeds[lo:hi]
+        if name in head.adapters:
+            (a, b), = head.adapters.pairs[name]
+            rows = nn.functional.embedding(ids[lo:hi], b)
+            part = part + (rows @ a).to(part.dtype) * head.adapters.scaling[name]
+        parts.append(part)
+    return torch.cat(parts)

@@ -1,0 +1,58 @@
+"""Which adapter each row of a batch goes through: the routing every LoRA module of one model reads.
+
+The trainer and the transformers sampler sort a batch's rows by adapter, so each adapter's rows are one contiguous
+slice; a LoRA module then adds each slice's delta to its slice of the base output (``adapters.lora.linear``,
+``adapters.lora.experts``): a few small matmuls per adapter present, no per-row gather or scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which adapter each row of the current batch uses: ``(name or None, first row, end row)`` slices in row order,
+    covering the batch (None: the base model)."""
+
+    groups: tuple[tuple[str | None, int, int], ...]
+
+    @staticmethod
+    def of(names: list[str | None]) -> Routing:
+        """The slices of consecutive equal names (the caller sorts rows by adapter so each has one slice)."""
+        groups: list[tuple[str | None, int, int]] = []
+        for row, name in enumerate(names):
+            if groups and groups[-1][0] == name:
+                groups[-1] = (name, groups[-1][1], row + 1)
+            else:
+                groups.append((name, row, row + 1))
+        return Routing(tuple(groups))
+
+    @property
+    def rows(self) -> int:
+        return self.groups[-1][2]
+
+
+class Router:
+    """The routing of the forward pass being run, shared by every LoRA module of one model."""
+
+    def __init__(self) -> None:
+        self.current: Routing | None = None
+
+    @contextmanager
+    def routing(self, names: list[str | None] | None) -> Iterator[None]:
+        previous, self.current = self.current, (Routing.of(names) if names else None)
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def active(self, present: dict) -> Routing | None:
+        """The current routing if any of its adapters is in ``present`` (a module's adapters), else None: the
+        module then computes the base output alone."""
+        routing = self.current
+        if routing is None or not any(name in present for name, _, _ in routing.groups):
+            return None
+        return routing
