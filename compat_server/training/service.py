@@ -7,6 +7,7 @@ scheduler as a job, returning the future's JSON (``{"request_id", "model_id"}``)
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 from dataclasses import asdict
@@ -130,16 +131,24 @@ class TrainingService:
         return self.core.future(self.scheduler.submit(owner=owner, kind="create_model", job=job, model_id=model_id,
                                                       idempotency_key=idem), model_id)
 
-    def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
+    def get_info(self, owner: str, model_id: str) -> dict:
+        """The SDK's ``GetInfoResponse``; ``model_data`` also says what this run's LoRA adapts (a field the SDK
+        ignores): the base model's weights in the groups the run trains."""
         row = self.records.runs.model(model_id, owner)
         if row is None:
             raise NotFound(f"unknown model_id {model_id!r}")
         base = self.base_models[row["base_model"]]
         facts = self.scheduler.trainers.facts[base.name]
-        return types.GetInfoResponse(
+        info = types.GetInfoResponse(
             type="get_info", model_id=model_id, is_lora=True, lora_rank=row["lora_rank"], model_name=base.name,
             model_data=types.ModelData(arch=facts.arch, model_name=base.name, tokenizer_id=base.tokenizer_id),
-        )
+        ).model_dump(mode="json")
+        lora = json.loads(row["lora_config"]) if row.get("lora_config") else {}
+        trained = {group for group, flag in (("attn", "train_attn"), ("mlp", "train_mlp"), ("unembed", "train_unembed"))
+                   if lora.get(flag, True)}
+        info["model_data"]["lora_targets"] = {group: names for group, names in facts.lora_targets.items()
+                                              if group in trained}
+        return info
 
     def unload_model(self, owner: str, model_id: str, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:

@@ -91,12 +91,16 @@ async def healthz() -> types.HealthResponse:
 
 
 @get(f"{API}/get_server_capabilities")
-async def get_server_capabilities(owner: NamedDependency[str], services: NamedDependency[Services]) -> types.GetServerCapabilitiesResponse:
-    return types.GetServerCapabilitiesResponse(supported_models=[
-        types.SupportedModel(model_name=name, max_context_length=services.trainers.facts[name].max_context,
-                             trainable=True, sampleable=True)
+async def get_server_capabilities(owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
+    """The SDK's ``GetServerCapabilitiesResponse``, each model with two fields the SDK ignores and people read:
+    what a LoRA adapts on it, by weight group, and which backend its samplers run."""
+    return {"supported_models": [
+        {**types.SupportedModel(model_name=name, max_context_length=services.trainers.facts[name].max_context,
+                                trainable=True, sampleable=True).model_dump(),
+         "lora_targets": services.trainers.facts[name].lora_targets,
+         "sampler_backend": services.samplers.placement.backend}
         for name in services.base_models
-    ])
+    ]}
 
 
 SERVICE_ROUTES = [client_config, client_dynamic_config, create_session, session_heartbeat, finish_session,

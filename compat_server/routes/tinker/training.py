@@ -34,7 +34,7 @@ async def create_model(request: Request, owner: NamedDependency[str], services: 
 
 @post(f"{API}/get_info", status_code=200)
 async def get_info(owner: NamedDependency[str], services: NamedDependency[Services],
-                   data: Annotated[types.GetInfoRequest, Body()]) -> types.GetInfoResponse:
+                   data: Annotated[types.GetInfoRequest, Body()]) -> dict:
     return services.training.get_info(owner, data.model_id)
 
 
