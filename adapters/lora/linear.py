@@ -86,14 +86,14 @@ class LoRALinear(nn.Module):
     """A frozen ``nn.Linear`` plus any number of named LoRA adapters on it, each with one pair per slot."""
 
     def __init__(self, base: nn.Linear, router: Router, slots: list[Slot], rows: list[tuple[int, int]]) -> None:
-        """``rows``: the output rows each slot covers, in order (one slot: all of them)."""
+        """``rows``: the output rows each slot covers, in order, together all of them (one slot: the whole)."""
         super().__init__()
+        if rows[0][0] != 0 or rows[-1][1] != base.out_features or any(
+                a[1] != b[0] for a, b in itertools.pairwise(rows)):
+            raise ValueError(f"LoRA slots must cover the output rows in order, got {rows}")
         self.base = base
         self.router = router
-        self.rows = rows
         self.adapters = Pairs(slots)
-        self._whole = len(rows) == 1 and rows[0] == (0, base.out_features)
-        self._contiguous = rows[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(rows))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -108,15 +108,7 @@ class LoRALinear(nn.Module):
             if a.dtype != x.dtype:
                 a, b = a.to(x.dtype), b.to(x.dtype)
             parts.append(nn.functional.linear(nn.functional.linear(x, a), b) * scale)
-        if self._whole:
-            return parts[0]
-        out_rows = self.base.out_features
-        if self._contiguous and self.rows[-1][1] == out_rows:
-            return torch.cat(parts, dim=-1)
-        full = x.new_zeros((*x.shape[:-1], out_rows))
-        for (lo, hi), part in zip(self.rows, parts, strict=True):
-            full = full.index_add(-1, torch.arange(lo, hi, device=x.device), part)
-        return full
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def with_adapter(self, x: torch.Tensor, name: str | None) -> torch.Tensor:
         """The layer's output for ``x`` through adapter ``name`` (or the base), independent of the routing — for

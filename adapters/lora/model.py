@@ -64,10 +64,8 @@ class LoRAModel:
         global generator in the model's order (the caller seeds it)."""
         chosen = set(groups)
         for module in self.modules.values():
-            slots = [slot for slot in module.adapters.slots if slot.group in chosen]
-            if slots and len(slots) != len(module.adapters.slots):
-                raise UserError("a fused projection's parts are in different weight groups")  # never, by targets
-            if slots:
+            slots = module.adapters.slots  # one module's slots share its group (adapters.lora.targets)
+            if slots[0].group in chosen:
                 module.adapters.put(name, [slot.initial(rank) for slot in slots], scaling, self.device, True)
 
     def put(self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
