@@ -166,6 +166,35 @@ FAMILIES: dict[str, Callable] = {
 """Family name → a function of the tokenizer's special ids (``{"eos": …, "pad": …}``) giving its config."""
 
 
+def _nemotron_h_dense(tokens):
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        **_common(tokens), hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=VLLM_HEAD_DIM,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], intermediate_size=INTERMEDIATE, mamba_num_heads=4,
+        mamba_head_dim=HEAD_DIM, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        tie_word_embeddings=False)
+
+
+def _qwen2(tokens):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_common(tokens), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=INTERMEDIATE, num_hidden_layers=2, tie_word_embeddings=False)
+
+
+VLLM_HEAD_DIM = 32
+"""vLLM's CPU attention has no kernel for heads of 16 (``FAMILIES``'); 32 is its smallest."""
+
+VLLM_FAMILIES: dict[str, Callable] = {
+    "nemotron_h_dense": _nemotron_h_dense,
+    "qwen2": _qwen2,
+}
+"""Tiny models vLLM's CPU build can serve with LoRA enabled (no MoE layers, heads of 32), for the vLLM column of the
+family matrix: Nemotron-H without MoE layers (Mamba-2, attention, MLP) — vLLM takes its Mamba LoRA only on the fused
+``in_proj`` — and Qwen2 (Qwen2.5's architecture), whose vLLM model class takes no LoRA on its head."""
+
+
 def _seeded_causal_lm(config):
     """The text model of ``config`` with weights drawn from the fixed seed (the global RNG left as it was)."""
     import torch
@@ -205,8 +234,9 @@ def build_family(name: str, root: Path, cache_root: Path | None = None) -> Path:
 
     from adapters.models.tiny import _publish_directory
 
-    if name not in FAMILIES:
-        raise ValueError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
+    recipes = FAMILIES | VLLM_FAMILIES
+    if name not in recipes:
+        raise ValueError(f"unknown family {name!r}; known: {', '.join(recipes)}")
     target = Path(root) / name
     if (target / DONE).exists():
         return target
@@ -216,7 +246,7 @@ def build_family(name: str, root: Path, cache_root: Path | None = None) -> Path:
     tokens = {"eos": ids["eos_token_id"], "pad": ids["pad_token_id"]}
 
     def fill(staging: Path) -> None:
-        config = FAMILIES[name](tokens)
+        config = recipes[name](tokens)
         model = _vision_language(config, tokens) if name == "qwen3_5_moe_vl" else _seeded_causal_lm(config)
         model.generation_config = GenerationConfig(eos_token_id=tokens["eos"], pad_token_id=tokens["pad"])
         model.save_pretrained(str(staging), safe_serialization=True)

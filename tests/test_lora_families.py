@@ -144,3 +144,137 @@ def test_loss_and_every_gradient_equal_the_merged_reference(family):
             torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-4, rtol=1e-3,
                                        msg=lambda m, key=key, which=which: f"{name} {key} {which}: {m}")
     trainer.unload("run")
+
+
+def _perturbed(trainer: MultiLoRATrainer, name: str, seed: int = 3) -> None:
+    """Move every LoRA weight of run ``name`` off its initial value (B off zero), deterministically."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in trainer.adapters[name].params:
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+FUSED = {"qwen3_5_moe": ("in_proj_qkv", 3), "nemotron_h": ("in_proj", 2)}
+"""Families with a projection trained as parts: the fused module's leaf and its number of parts."""
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_a_projection_trained_as_parts_is_stored_fused_and_read_back_exactly(name, model_cache, tmp_path):
+    """Stored (the sampler's and training checkpoints' layout), the parts are one pair on the model's fused module,
+    as PEFT and vLLM load it: A stacked, B block-diagonal, rank and alpha scaled by the parts in ``rank_pattern`` /
+    ``alpha_pattern``. Read back, the run's tensors come back bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+
+    leaf, parts = FUSED[name]
+    trainer = MultiLoRATrainer(str(family_dir(name)))
+    trainer.create("run", LoraSpec(rank=4, seed=5))
+    _perturbed(trainer, "run")
+    trainer.save_for_sampler("run", str(tmp_path / "stored"))
+    config = json.loads((tmp_path / "stored" / "adapter_config.json").read_text())
+    state = load_file(tmp_path / "stored" / "adapter_model.safetensors")
+    assert config["rank_pattern"] == {leaf: 4 * parts}
+    assert config["alpha_pattern"] == {leaf: config["lora_alpha"] * parts}
+    assert leaf in config["target_modules"]
+    fused_b = [key for key in state if key.endswith(f".{leaf}.lora_B.weight")]
+    assert fused_b and not any(re.search(r"\.(in_proj_[qkv]|x_proj)\.", key) for key in state)
+    for key in fused_b:
+        b = state[key]
+        assert b.shape[1] == 4 * parts and state[key.replace("lora_B", "lora_A")].shape[0] == 4 * parts
+        block = torch.block_diag(*[torch.ones(rows, 4) for rows in _part_rows(b.shape[0], trainer, key)])
+        assert not b[block == 0].any() and b[block == 1].abs().min() > 0
+
+    trainer.load_state("copy", str(tmp_path / "stored"), with_optimizer=False)
+    original, copied = trainer.model.tensors(trainer.adapters["run"].name), trainer.model.tensors(
+        trainer.adapters["copy"].name)
+    assert original.keys() == copied.keys()
+    for key, (a, b) in original.items():
+        assert torch.equal(copied[key][0], a) and torch.equal(copied[key][1], b), key
+
+
+def _part_rows(total: int, trainer: MultiLoRATrainer, key: str) -> list[int]:
+    path = key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
+    rows = [slot.out_features for slot in trainer.model.modules[path].adapters.slots]
+    assert sum(rows) == total
+    return rows
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_a_peft_adapter_on_the_fused_module_is_read_as_parts_sharing_its_a(name, model_cache, tmp_path):
+    """An adapter trained elsewhere with PEFT on the fused module itself (rank r, no ``rank_pattern``) is exact as
+    parts that each keep A whole: its scores equal the reference's ``W + s·B·A`` on the fused weight. Of rank
+    parts × r but not block-diagonal it cannot be split, and is refused as a user error."""
+    import json
+
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from shims.errors import UserError
+
+    leaf, parts = FUSED[name]
+    directory = family_dir(name)
+    trainer = MultiLoRATrainer(str(directory))
+    path = next(path for path in trainer.model.modules if path.endswith(f".{leaf}"))
+    weight = trainer.model.modules[path].base.weight
+    generator = torch.Generator().manual_seed(7)
+    a = torch.randn(4, weight.shape[1], generator=generator) * 0.2
+    b = torch.randn(weight.shape[0], 4, generator=generator) * 0.2
+    out = tmp_path / "peft"
+    out.mkdir()
+    save_file({f"base_model.model.{path}.lora_A.weight": a, f"base_model.model.{path}.lora_B.weight": b},
+              str(out / "adapter_model.safetensors"))
+    LoraConfig(r=4, lora_alpha=8, target_modules=[leaf]).save_pretrained(str(out))
+
+    reference = reference_model(directory)
+    with torch.no_grad():
+        reference.get_submodule(path).weight += 2.0 * b @ a
+        logits = reference(input_ids=torch.tensor([TOKENS[:-1]])).logits[0]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(trainer.score(str(out), TOKENS), expected.numpy(), atol=2e-5)
+
+    full = torch.randn(weight.shape[0], 4 * parts, generator=generator)
+    save_file({f"base_model.model.{path}.lora_A.weight": torch.randn(4 * parts, weight.shape[1]),
+               f"base_model.model.{path}.lora_B.weight": full}, str(out / "adapter_model.safetensors"))
+    config = json.loads((out / "adapter_config.json").read_text())
+    config.update(rank_pattern={leaf: 4 * parts}, alpha_pattern={leaf: 8 * parts})
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="not block-diagonal"):
+        trainer.load_state("dense", str(out), with_optimizer=False)
+    config.update(alpha_pattern={leaf: 8})
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="one scale per adapter"):
+        trainer.load_state("dense", str(out), with_optimizer=False)
+
+
+def test_peft_itself_loads_the_stored_fused_mamba_projection(model_cache, tmp_path):
+    """The stored layout is PEFT's: ``PeftModel.from_pretrained`` on transformers' own Nemotron-H (no MoE layers,
+    whose per-expert keys PEFT cannot place) scores as the trainer does the same file, the Mamba ``in_proj`` at its
+    ``rank_pattern`` / ``alpha_pattern`` included. PEFT refuses LoRA on a Mamba ``out_proj`` (its CUDA training
+    kernel reads that weight directly; the trainer keeps the model in eval mode, where transformers never takes that
+    path), so the file compared leaves ``out_proj`` out."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    directory = family_dir("nemotron_h_dense")
+    trainer = MultiLoRATrainer(str(directory))
+    trainer.create("run", LoraSpec(rank=4, seed=5))
+    _perturbed(trainer, "run")
+    stored = tmp_path / "stored"
+    trainer.save_for_sampler("run", str(stored))
+    state = load_file(stored / "adapter_model.safetensors")
+    assert any(".mixer.out_proj." in key for key in state)
+    save_file({k: v for k, v in state.items() if ".mixer.out_proj." not in k}, str(stored / "adapter_model.safetensors"))
+    config = json.loads((stored / "adapter_config.json").read_text())
+    config["target_modules"] = [leaf for leaf in config["target_modules"] if leaf != "out_proj"]
+    (stored / "adapter_config.json").write_text(json.dumps(config))
+
+    model = PeftModel.from_pretrained(reference_model(directory), str(stored))
+    assert model.peft_config["default"].rank_pattern == {"in_proj": 8}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([TOKENS[:-1]])).logits[0]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
+    assert np.abs(expected - np.asarray(trainer.score(None, TOKENS))).max() > 1e-3, "the adapter changes nothing"
+    np.testing.assert_allclose(trainer.score(str(stored), TOKENS), expected, atol=2e-5)

@@ -66,18 +66,21 @@ def trained(client, families):
 
 
 def _merged_reference(base_dir: str, adapter_dir) -> torch.nn.Module:
-    """transformers' model with the stored adapter (PEFT naming, one 2-D pair per expert) merged by the rules of
-    hosted Tinker's layout, independently of the server's code."""
+    """transformers' model with the stored adapter (PEFT naming, one 2-D pair per expert, a fused projection's pair
+    at the rank and alpha of ``rank_pattern`` / ``alpha_pattern``) merged as ``W + s·B·A``, independently of the
+    server's code."""
     import json
 
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scale = config["lora_alpha"] / config["r"]
     model = reference_model(base_dir)
     state = load_file(adapter_dir / "adapter_model.safetensors")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name in [n for n in state if n.endswith("lora_A.weight")]:
             path = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            leaf = path.rsplit(".", 1)[-1]
+            scale = (config["alpha_pattern"].get(leaf, config["lora_alpha"])
+                     / config["rank_pattern"].get(leaf, config["r"]))
             delta = scale * state[name.replace("lora_A", "lora_B")] @ state[name]
             expert = re.fullmatch(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)", path)
             if expert:
@@ -92,19 +95,10 @@ def _merged_reference(base_dir: str, adapter_dir) -> torch.nn.Module:
                     owner.gate_up_proj[e][:, rows] += delta.T
                 else:
                     owner.gate_up_proj[e][rows] += delta
-            elif f"{path}.weight" in params:
-                params[f"{path}.weight"] += delta
-            elif path == "lm_head":  # tied to the input embedding
+            elif path == "lm_head" and "lm_head.weight" not in params:  # tied to the input embedding
                 model.get_output_embeddings().weight += delta
-            else:  # a fused projection's part: Qwen3.5's in_proj_q/k/v, a Mamba mixer's gate_proj / x_proj
-                owner_path, leaf = path.rsplit(".", 1)
-                owner = model.get_submodule(owner_path)
-                if leaf.startswith("in_proj_"):
-                    start = {"q": 0, "k": owner.key_dim, "v": 2 * owner.key_dim}[leaf[-1]]
-                    owner.in_proj_qkv.weight[start:start + delta.shape[0]] += delta
-                else:
-                    start = 0 if leaf == "gate_proj" else owner.intermediate_size
-                    owner.in_proj.weight[start:start + delta.shape[0]] += delta
+            else:
+                params[f"{path}.weight"] += delta
     return model
 
 
@@ -142,6 +136,9 @@ def test_trained_adapter_equals_the_merged_reference_in_trainer_and_sampler(name
     state = load_file(stored / "adapter_model.safetensors")
     if name not in ("llama3", "qwen3"):
         assert any(".experts.0." in key for key in state), "routed experts carry no LoRA"
+    fused = {"qwen3_5_moe": ".in_proj_qkv.lora_A.weight", "nemotron_h": ".mixer.in_proj.lora_A.weight"}.get(name)
+    if fused:  # stored as the model's fused module, as PEFT and vLLM load it (exported as parts)
+        assert any(key.endswith(fused) for key in state), sorted(state)
     reference = _merged_reference(families[name], stored)
     base = _logprobs(reference_model(families[name]), DATUM)
     expected = _logprobs(reference, DATUM)

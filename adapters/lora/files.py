@@ -4,7 +4,10 @@ An adapter in memory is ``{slot key: (A, B)}`` (``adapters.lora.model``). Two na
 
 - **Stored** (training and sampler checkpoints): PEFT's, as PEFT and vLLM load LoRA: every pair under
   ``base_model.model.<module path>.lora_A/B.weight``, a routed expert's pairs as one 2-D pair per expert
-  (``…experts.<e>.gate_proj``), the layout tinker-cookbook's ``build_lora_adapter`` writes for vLLM. When the base
+  (``…experts.<e>.gate_proj``), and a projection trained as parts (``adapters.lora.targets``) as one pair on the
+  fused module the model has: A the parts' A stacked, B their B block-diagonal, so of rank parts × r, which
+  ``rank_pattern`` / ``alpha_pattern`` in ``adapter_config.json`` state at the adapter's own alpha / r (vLLM refuses
+  the parts' names). That is the layout tinker-cookbook's ``build_lora_adapter`` writes for vLLM. When the base
   model ties its input embedding to its output head, a LoRA on the unembedding changes that one shared matrix, so the
   directory also holds the input side as PEFT's embedding LoRA (``embed_tokens.lora_embedding_A/B``, the same numbers
   transposed), so that any PEFT loader reproduces the trained model.
@@ -15,7 +18,8 @@ An adapter in memory is ``{slot key: (A, B)}`` (``adapters.lora.model``). Two na
   (``in_proj_q/k/v``, Mamba's ``gate_proj``/``x_proj``), gpt-oss's attention under ``.attn.``, and module paths of
   the text model (``model.layers…``) also for a vision-language checkpoint, whose prefix the merge adds itself.
 
-Reading takes either naming, or a mix, back to slot keys (``AdapterNaming.read``).
+Reading takes either naming, or a mix, back to slot keys (``AdapterNaming.read``); a fused projection's pair is split
+back into its parts, also a PEFT adapter's of rank r on the fused module (each part then keeps A whole).
 """
 
 from __future__ import annotations
@@ -57,11 +61,15 @@ def _pair_names(path: str) -> tuple[str, str]:
 class AdapterNaming:
     """The names of one model's slots in both namings, and the way back."""
 
-    def __init__(self, slots: dict[str, Slot], head: str, arch: str, tied: bool) -> None:
-        """``head``: the output head's slot key; ``arch``: the model's architecture name (``GptOssForCausalLM``)."""
+    def __init__(self, slots: dict[str, Slot], head: str, arch: str, tied: bool,
+                 fused: dict[str, list[str]] | None = None) -> None:
+        """``head``: the output head's slot key; ``arch``: the model's architecture name (``GptOssForCausalLM``);
+        ``fused``: module path → the slot keys of its parts, in row order, for each projection trained as parts."""
         self.slots = slots
         self.head = head
         self.tied = tied
+        self.fused = fused or {}
+        self._part_of = {key: path for path, parts in self.fused.items() for key in parts}
         self.alias = next((pair for fragment, pair in _ATTENTION_ALIASES.items() if fragment in arch), None)
         self._hosted_w: dict[str, str] = {}
         """Expert slot key → its hosted ``w1/w2/w3`` name."""
@@ -79,8 +87,17 @@ class AdapterNaming:
     # ---- writing ---------------------------------------------------------------------------------------------------
     def stored(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The stored naming (PEFT's, per expert), with a tied unembedding's input side."""
+        import torch
+
         out: dict[str, torch.Tensor] = {}
+        for path, parts in self.fused.items():
+            if parts[0] in tensors:  # a module's parts come all or none (LoRAModel.put)
+                name_a, name_b = _pair_names(path)
+                out[name_a] = torch.cat([tensors[key][0] for key in parts]).contiguous()
+                out[name_b] = torch.block_diag(*[tensors[key][1] for key in parts])
         for key, (a, b) in tensors.items():
+            if key in self._part_of:
+                continue
             if self.slots[key].experts:
                 match = _EXPERT_SLOT.match(key)
                 for e in range(a.shape[0]):
@@ -111,17 +128,25 @@ class AdapterNaming:
             return f".{key}".replace(*self.alias)[1:]
         return key
 
-    def target_modules(self, keys: list[str], export: bool) -> list[str]:
-        """``adapter_config.json``'s ``target_modules``: the leaf module names the files use."""
+    def peft_settings(self, keys: list[str], rank: int, alpha: float, export: bool) -> dict:
+        """``adapter_config.json``'s ``target_modules`` (the leaf module names the files use) and, stored, the
+        ``rank_pattern`` / ``alpha_pattern`` of fused projections (parts × the rank and the alpha, so that their scale
+        is the adapter's: what ``build_lora_adapter`` writes)."""
         if export:
-            return sorted({self._hosted_path(key).rsplit(".", 1)[-1] for key in keys})
-        leaves = {key.rsplit(".", 1)[-1] for key in keys}
-        return sorted(leaves | ({"embed_tokens"} if self.tied and self.head in keys else set()))
+            return {"target_modules": sorted({self._hosted_path(key).rsplit(".", 1)[-1] for key in keys})}
+        fused = {self._part_of[key] for key in keys if key in self._part_of}
+        leaves = {key.rsplit(".", 1)[-1] for key in keys if key not in self._part_of}
+        ranks = {path.rsplit(".", 1)[-1]: len(self.fused[path]) for path in fused}
+        return {"target_modules": sorted(leaves | set(ranks) |
+                                         ({"embed_tokens"} if self.tied and self.head in keys else set())),
+                "rank_pattern": {leaf: parts * rank for leaf, parts in sorted(ranks.items())},
+                "alpha_pattern": {leaf: whole_if_integer(parts * alpha) for leaf, parts in sorted(ranks.items())}}
 
     # ---- reading ---------------------------------------------------------------------------------------------------
-    def read(self, state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Slot key → (A, B) from a file in either naming. A tied unembedding's input side is derived from the head,
-        never trained on its own, so it is dropped. Names no slot has, and half pairs, are a ``UserError``."""
+    def read(self, state: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Slot key → (A, B) from a file in either naming, of an adapter of ``rank``. A tied unembedding's input side
+        is derived from the head, never trained on its own, so it is dropped. Names no slot has, and half pairs, are
+        a ``UserError``."""
         import torch
 
         by_path: dict[str, dict[str, torch.Tensor]] = {}
@@ -138,6 +163,9 @@ class AdapterNaming:
         for path, pair in by_path.items():
             if set(pair) != {"A", "B"}:
                 raise UserError(f"adapter tensor {path} has lora_{next(iter(pair))} but not its other half")
+            if path in self.fused:
+                out.update(self._split(path, pair["A"], pair["B"], rank))
+                continue
             per_expert = _PER_EXPERT.match(path)
             if per_expert and f"{per_expert['experts']}.{per_expert['proj']}" in self.slots:
                 slot = f"{per_expert['experts']}.{per_expert['proj']}"
@@ -155,6 +183,38 @@ class AdapterNaming:
                         torch.stack([pairs[e][1] for e in range(count)]))
         return out
 
+    def _split(self, path: str, a: torch.Tensor, b: torch.Tensor,
+               rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """A fused projection's pair as its parts' pairs of ``rank``: stacked As and a block-diagonal B (as
+        ``stored`` writes it) split exactly, or a pair of ``rank`` itself with each part keeping A whole."""
+        parts = self.fused[path]
+        bounds = [0]
+        for key in parts:
+            bounds.append(bounds[-1] + self.slots[key].out_features)
+        if b.shape[0] != bounds[-1] or a.shape[0] != b.shape[1]:
+            raise UserError(f"adapter tensor {path} has shapes {list(a.shape)}, {list(b.shape)}; this model needs "
+                            f"{bounds[-1]} output rows")
+        if a.shape[0] == rank:
+            return {key: (a, b[lo:hi]) for key, lo, hi in zip(parts, bounds, bounds[1:], strict=False)}
+        if a.shape[0] != len(parts) * rank:
+            raise UserError(f"adapter tensor {path} has rank {a.shape[0]}; an adapter of rank {rank} has {rank} or "
+                            f"{len(parts) * rank} (its {len(parts)} parts) there")
+        out = {}
+        for i, (key, lo, hi) in enumerate(zip(parts, bounds, bounds[1:], strict=False)):
+            rows = b[lo:hi]
+            if rows[:, :i * rank].any() or rows[:, (i + 1) * rank:].any():
+                raise UserError(f"adapter tensor {path} of rank {a.shape[0]} is not block-diagonal over its parts "
+                                f"({', '.join(key.rsplit('.', 1)[-1] for key in parts)}), which this server trains "
+                                f"as {len(parts)} pairs of rank {rank}")
+            out[key] = (a[i * rank:(i + 1) * rank], rows[:, i * rank:(i + 1) * rank])
+        return out
+
+
+def whole_if_integer(value: float) -> int | float:
+    """An alpha as ``adapter_config.json`` writes it: an int where it is one (as PEFT's own configs have it)."""
+    value = round(float(value), 6)
+    return int(value) if value.is_integer() else value
+
 
 def read_saved_step(directory: Path) -> int | None:
     """The optimizer step a training checkpoint was saved at (None for sampler weights, which have no state)."""
@@ -164,12 +224,19 @@ def read_saved_step(directory: Path) -> int | None:
 
 def read_adapter_file(directory: Path) -> tuple[dict[str, torch.Tensor], float, int]:
     """A saved adapter's tensors as named in the file, its LoRA scale (alpha / r) and rank. PEFT variants that scale
-    or shape LoRA differently are refused rather than applied wrongly."""
+    or shape LoRA differently are refused rather than applied wrongly; ``rank_pattern`` / ``alpha_pattern`` are
+    taken where they keep every module at the adapter's scale (fused projections, as ``stored`` writes them)."""
     from safetensors.torch import load_file
 
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
-    unsupported = [key for key in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(key)]
+    unsupported = [key for key in ("use_rslora", "use_dora") if config.get(key)]
     if unsupported:
         raise UserError(f"adapter_config.json sets {', '.join(unsupported)}, which this server does not apply")
-    rank = int(config["r"])
-    return load_file(str(directory / ADAPTER_WEIGHTS)), float(config["lora_alpha"]) / rank, rank
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    for module in sorted(set(ranks) | set(alphas)):
+        module_rank, module_alpha = int(ranks.get(module, rank)), float(alphas.get(module, alpha))
+        if abs(module_alpha / module_rank - alpha / rank) > 1e-6 * alpha / rank:
+            raise UserError(f"adapter_config.json scales {module} by {module_alpha:g}/{module_rank} and the rest by "
+                            f"{alpha:g}/{rank}; this server applies one scale per adapter")
+    return load_file(str(directory / ADAPTER_WEIGHTS)), alpha / rank, rank

@@ -44,7 +44,9 @@ class LoRAModel:
     def naming(self) -> AdapterNaming:
         """How this model's adapters are named in files (``adapters.lora.files``), by the class of the model loaded
         (the same in the trainer and the sampler, a vision-language checkpoint's text model included)."""
-        return AdapterNaming(self.slots, self.head_key, type(self.base).__name__, self.tied)
+        fused = {path: [slot.key for slot in module.adapters.slots] for path, module in self.modules.items()
+                 if len(module.adapters.slots) > 1 and not isinstance(module, LoRAExperts)}
+        return AdapterNaming(self.slots, self.head_key, type(self.base).__name__, self.tied, fused)
 
     @property
     def device(self) -> torch.device:

@@ -10,7 +10,14 @@ from pathlib import Path
 import torch
 
 from adapters.disk import writing
-from adapters.lora.files import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE, AdapterNaming, read_adapter_file
+from adapters.lora.files import (
+    ADAPTER_WEIGHTS,
+    OPTIMIZER_STATE,
+    TRAINER_STATE,
+    AdapterNaming,
+    read_adapter_file,
+    whole_if_integer,
+)
 from adapters.trainer.interface import LoraSpec, read_lora_spec
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
@@ -41,10 +48,10 @@ class CheckpointFiles:
         adapter = self.table.get_run(model_id)
         tensors = self.table.model.tensors(adapter.name)
         state = self.naming.exported(tensors) if export else self.naming.stored(tensors)
-        alpha = round(adapter.scaling * adapter.spec.rank, 6)
-        config = LoraConfig(r=adapter.spec.rank, lora_alpha=int(alpha) if alpha.is_integer() else alpha, lora_dropout=0.0,
-                            bias="none", target_modules=self.naming.target_modules(list(tensors), export),
-                            base_model_name_or_path=self.location)
+        alpha = whole_if_integer(adapter.scaling * adapter.spec.rank)
+        config = LoraConfig(r=adapter.spec.rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                            base_model_name_or_path=self.location,
+                            **self.naming.peft_settings(list(tensors), adapter.spec.rank, alpha, export))
         with writing(out):
             out.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
@@ -80,7 +87,7 @@ class CheckpointFiles:
         checkpoint that cannot be read is a ``UserError`` and leaves nothing behind."""
         try:
             state, scaling, rank = read_adapter_file(src)
-            tensors = self.naming.read(state)
+            tensors = self.naming.read(state, rank)
             groups = self.table.model.slot_groups(tensors)
             spec = replace(spec, rank=rank, train_attn="attn" in groups, train_mlp="mlp" in groups,
                            train_unembed="unembed" in groups)

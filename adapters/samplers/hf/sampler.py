@@ -138,8 +138,8 @@ class TransformersSampler(SamplerBackend):
         name = f"slot_{slot.slot_id}"
         if slot.load:
             try:
-                state, scaling, _ = read_adapter_file(Path(ref.directory))
-                self.model.put(name, self.naming.read(state), scaling)
+                state, scaling, rank = read_adapter_file(Path(ref.directory))
+                self.model.put(name, self.naming.read(state, rank), scaling)
             except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
                 self.adapters.forget(ref.key, slot.slot_id)
                 raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None
