@@ -275,3 +275,21 @@ def reference_model(directory: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, experts_implementation="eager")
+
+
+def serve_families(data_dir: Path, directories: list[str], backend: str):
+    """One server for all of ``directories`` (``--base-model DIR`` each) on sampler ``backend``, each trainer and
+    sampler reserving a tenth of a CPU so that 2 cores place them all; a ``tests.server.RunningServer``."""
+    from tests.server import start_server
+
+    args = [arg for directory in directories for arg in ("--base-model", directory)]
+    return start_server(data_dir, *args, "--trainer-cpus", "0.1", "--sampler-cpus", "0.1", "--sampler-backend",
+                        backend, timeout=600)
+
+
+def matrix_datum():
+    """The datum the family matrix trains on and scores, and the tokens it covers (prompt and last target)."""
+    from tests.helpers import make_datum
+
+    datum = make_datum([1, 7, 30, 2, 99, 140], [3, 5, 260, 11, 8])
+    return datum, datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"].to_numpy()[-1])]

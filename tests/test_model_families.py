@@ -3,8 +3,9 @@
 One server serves all the tiny families of ``tests/families.py`` (``--base-model DIR`` each, the transformers
 sampler). For each: the capabilities say what a LoRA adapts; a run trains a few steps; its forward logprobs equal
 transformers' own model with the saved adapter merged as ``W + s·B·A`` (per matrix, per expert) by this test; the
-sampler scores the same tokens through the saved sampler weights as the trainer does; and tinker-cookbook's
-unmodified ``weights.build_hf_model`` merges the export into a model with the same logprobs. The in-process loss and
+sampler scores the same tokens through the saved sampler weights as the trainer does; tinker-cookbook's unmodified
+``weights.build_hf_model`` merges the export into a model with the same logprobs, and its ``build_lora_adapter``
+converts the export into the adapter the server stored. The in-process loss and
 gradient checks are in ``tests/test_lora_families.py``.
 """
 
@@ -21,14 +22,16 @@ from safetensors.torch import load_file
 from tinker import types
 
 from tests.cookbook_env import cookbook_python
-from tests.families import FAMILIES, family_dir, reference_model
-from tests.helpers import checkpoint_dir, forward_logprobs, make_datum, train
-from tests.server import start_server
+from tests.families import FAMILIES, family_dir, matrix_datum, reference_model, serve_families
+from tests.helpers import checkpoint_dir, forward_logprobs, train
 from tests.test_cookbook_weights import BUILD, DOWNLOAD, KEY, run_cookbook
+
+CONVERT = ("import sys; from tinker_cookbook import weights; "
+           "weights.build_lora_adapter(base_model=sys.argv[1], adapter_path=sys.argv[2], output_path=sys.argv[3])")
 
 pytestmark = pytest.mark.timeout(1200)
 
-DATUM = make_datum([1, 7, 30, 2, 99, 140], [3, 5, 260, 11, 8])
+DATUM, TOKENS = matrix_datum()
 FAST = types.AdamParams(learning_rate=1e-2)
 
 
@@ -39,10 +42,7 @@ def families(model_cache) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(families, tmp_path_factory):
-    """All families on one server; each trainer and sampler reserves a tenth of a CPU so that 2 cores place them."""
-    args = [arg for directory in families.values() for arg in ("--base-model", directory)]
-    running = start_server(tmp_path_factory.mktemp("families"), *args, "--trainer-cpus", "0.1", "--sampler-cpus",
-                           "0.1", "--sampler-backend", "transformers", timeout=600)
+    running = serve_families(tmp_path_factory.mktemp("families"), list(families.values()), "transformers")
     yield running
     running.stop()
 
@@ -78,6 +78,7 @@ def _merged_reference(base_dir: str, adapter_dir) -> torch.nn.Module:
     with torch.no_grad():
         for name in [n for n in state if n.endswith("lora_A.weight")]:
             path = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            path = path.replace("model.language_model.", "model.", 1)  # a vision-language checkpoint's text model
             leaf = path.rsplit(".", 1)[-1]
             scale = (config["alpha_pattern"].get(leaf, config["lora_alpha"])
                      / config["rank_pattern"].get(leaf, config["r"]))
@@ -102,15 +103,11 @@ def _merged_reference(base_dir: str, adapter_dir) -> torch.nn.Module:
     return model
 
 
-def _tokens(datum: types.Datum) -> list[int]:
-    return datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"].to_numpy()[-1])]
-
-
-def _logprobs(model, datum: types.Datum) -> np.ndarray:
-    tokens = _tokens(datum)
+def _logprobs(model) -> np.ndarray:
+    """``model``'s logprobs of ``DATUM``'s targets."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].numpy()
+        logits = model(input_ids=torch.tensor([TOKENS[:-1]])).logits[0].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
 
 
 def test_capabilities_say_what_a_lora_adapts_on_each_model(server, families):
@@ -140,13 +137,13 @@ def test_trained_adapter_equals_the_merged_reference_in_trainer_and_sampler(name
     if fused:  # stored as the model's fused module, as PEFT and vLLM load it (exported as parts)
         assert any(key.endswith(fused) for key in state), sorted(state)
     reference = _merged_reference(families[name], stored)
-    base = _logprobs(reference_model(families[name]), DATUM)
-    expected = _logprobs(reference, DATUM)
+    base = _logprobs(reference_model(families[name]))
+    expected = _logprobs(reference)
     assert np.abs(expected - base).max() > 1e-2, "training moved nothing"
     np.testing.assert_allclose(ours, expected, atol=1e-4)
 
     sampler = run.create_sampling_client(model_path=path)
-    scored = sampler.compute_logprobs(types.ModelInput.from_ints(_tokens(DATUM))).result()
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
     np.testing.assert_allclose(np.asarray(scored[1:], dtype=np.float64), ours, atol=1e-4)
 
 
@@ -156,9 +153,11 @@ def python():
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_the_cookbook_merges_the_export_into_the_trained_model(name, python, trained, server, families, tmp_path):
+def test_the_cookbook_merges_and_converts_the_export_as_the_server_trained_and_stores_it(name, python, trained, server, families, tmp_path):
     """``weights.download`` of a training checkpoint gives hosted Tinker's layout (3-D experts, split projections,
-    ``unembed_tokens``), and the unmodified ``weights.build_hf_model`` merges it into the model the server trained."""
+    ``unembed_tokens``); the unmodified ``weights.build_hf_model`` merges it into the model the server trained, and
+    ``weights.build_lora_adapter`` converts it into the adapter the server stores for samplers (DeepSeek-V3 aside,
+    which the cookbook refuses to convert: vLLM and SGLang serve no LoRA on it)."""
     if name == "qwen3_5_moe":
         pytest.skip("tinker-cookbook 0.6.1 knows Qwen3.5 only as published, a vision-language checkpoint (model_type "
                     "qwen3_5_moe, tested as qwen3_5_moe_vl); for a text-only checkpoint (qwen3_5_moe_text) it picks "
@@ -173,4 +172,35 @@ def test_the_cookbook_merges_the_export_into_the_trained_model(name, python, tra
         assert any(v.dim() == 3 for k, v in exported.items() if ".experts." in k), "experts are not 3-D"
     run_cookbook(python, server, BUILD, families[name], str(adapter), str(merged_dir))
     merged = reference_model(merged_dir)
-    np.testing.assert_allclose(_logprobs(merged, DATUM), forward_logprobs(run, DATUM), atol=1e-4)
+    trained = forward_logprobs(run, DATUM)
+    np.testing.assert_allclose(_logprobs(merged), trained, atol=1e-4)
+
+    if name == "deepseek_v3":  # the cookbook's own refusal: vLLM and SGLang serve no DeepSeek-V3 LoRA
+        return
+    # The cookbook's converter to a PEFT adapter for vLLM / SGLang gives what the server itself stores for samplers
+    # (per-expert pairs, Nemotron's Mamba parts fused at rank_pattern), and that scores as the trainer does.
+    run_cookbook(python, server, CONVERT, families[name], str(adapter), str(tmp_path / "peft"))
+    converted = _fused_as_vllm_loads_them(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    stored_dir = checkpoint_dir(server.data_dir, state)
+    stored = load_file(stored_dir / "adapter_model.safetensors")
+    # The other difference: the cookbook names a tied head's LoRA after the one matrix (embed_tokens, as lora_A/B);
+    # the server names it lm_head and adds PEFT's embedding LoRA for the input side.
+    tied = {k.replace("model.embed_tokens", "lm_head"): k for k in converted if ".embed_tokens." in k}
+    ours = {tied.get(k, k): v for k, v in stored.items() if "lora_embedding" not in k}
+    assert set(converted) == set(ours)
+    for key, tensor in converted.items():
+        torch.testing.assert_close(tensor, ours[key], rtol=0, atol=0, msg=key)
+    np.testing.assert_allclose(_logprobs(_merged_reference(families[name], stored_dir)), trained, atol=1e-4)
+
+
+def _fused_as_vllm_loads_them(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """tinker-cookbook 0.6.1's converter leaves Qwen3.5's DeltaNet ``in_proj_q/k/v`` split, which vLLM 0.32 refuses
+    (it takes LoRA only on the fused ``in_proj_qkv``, which it packs with ``in_proj_z``); the server stores them as
+    that one pair (A stacked, B block-diagonal). The cookbook's pairs, fused so."""
+    out = dict(state)
+    for key in [k for k in state if ".in_proj_q.lora_A." in k]:
+        parts = [key.replace(".in_proj_q.", f".in_proj_{part}.") for part in "qkv"]
+        out[key.replace(".in_proj_q.", ".in_proj_qkv.")] = torch.cat([out.pop(k) for k in parts])
+        b_parts = [out.pop(k.replace("lora_A", "lora_B")) for k in parts]
+        out[key.replace(".in_proj_q.", ".in_proj_qkv.").replace("lora_A", "lora_B")] = torch.block_diag(*b_parts)
+    return out

@@ -18,14 +18,14 @@ import tinker
 from safetensors.torch import load_file
 from tinker import types
 
-from tests.families import VLLM_FAMILIES, family_dir
-from tests.helpers import checkpoint_dir, forward_logprobs, make_datum, skip_without_vllm, train
+from tests.families import VLLM_FAMILIES, family_dir, matrix_datum, serve_families
+from tests.helpers import checkpoint_dir, forward_logprobs, skip_without_vllm, train
 from tests.server import start_server
 from tests.test_cookbook_weights import KEY
 
 pytestmark = pytest.mark.timeout(900)
 
-DATUM = make_datum([1, 7, 30, 2, 99, 140], [3, 5, 260, 11, 8])
+DATUM, TOKENS = matrix_datum()
 FAST = types.AdamParams(learning_rate=1e-2)
 
 
@@ -37,9 +37,7 @@ def families(model_cache) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(families, tmp_path_factory):
     skip_without_vllm()
-    args = [arg for directory in families.values() for arg in ("--base-model", directory)]
-    running = start_server(tmp_path_factory.mktemp("vllm-families"), *args, "--trainer-cpus", "0.1",
-                           "--sampler-cpus", "0.1", "--sampler-backend", "vllm", timeout=600)
+    running = serve_families(tmp_path_factory.mktemp("vllm-families"), list(families.values()), "vllm")
     yield running
     running.stop()
 
@@ -51,10 +49,6 @@ def client(server):
     service.close("success")
 
 
-def _tokens(datum: types.Datum) -> list[int]:
-    return datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"].to_numpy()[-1])]
-
-
 def _vllm_scores_as_the_trainer(client, run, server, name: str) -> dict:
     """Train ``run`` 3 steps, save its sampler weights, and check vLLM's prompt logprobs of them equal the
     trainer's forward logprobs; returns the stored adapter's tensors."""
@@ -62,9 +56,9 @@ def _vllm_scores_as_the_trainer(client, run, server, name: str) -> dict:
     ours = forward_logprobs(run, DATUM)
     path = run.save_weights_for_sampler(f"{name}-vllm").result().path
     sampler = run.create_sampling_client(model_path=path).result()
-    scored = sampler.compute_logprobs(types.ModelInput.from_ints(_tokens(DATUM))).result()
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
     base = client.create_sampling_client(base_model=run.get_info().model_data.model_name).result()
-    untrained = base.compute_logprobs(types.ModelInput.from_ints(_tokens(DATUM))).result()
+    untrained = base.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
     assert np.abs(np.asarray(untrained[1:]) - ours).max() > 1e-2, "training moved nothing"
     np.testing.assert_allclose(np.asarray(scored[1:], dtype=np.float64), ours, atol=1e-4)
     return load_file(checkpoint_dir(server.data_dir, path) / "adapter_model.safetensors")

@@ -7,7 +7,9 @@ An adapter in memory is ``{slot key: (A, B)}`` (``adapters.lora.model``). Two na
   (``…experts.<e>.gate_proj``), and a projection trained as parts (``adapters.lora.targets``) as one pair on the
   fused module the model has: A the parts' A stacked, B their B block-diagonal, so of rank parts × r, which
   ``rank_pattern`` / ``alpha_pattern`` in ``adapter_config.json`` state at the adapter's own alpha / r (vLLM refuses
-  the parts' names). That is the layout tinker-cookbook's ``build_lora_adapter`` writes for vLLM. When the base
+  the parts' names). A vision-language checkpoint's language model is named as in the checkpoint
+  (``model.language_model.layers…``, which vLLM's vision-language classes map). That is the layout tinker-cookbook's
+  ``build_lora_adapter`` writes for vLLM. When the base
   model ties its input embedding to its output head, a LoRA on the unembedding changes that one shared matrix, so the
   directory also holds the input side as PEFT's embedding LoRA (``embed_tokens.lora_embedding_A/B``, the same numbers
   transposed), so that any PEFT loader reproduces the trained model.
@@ -44,6 +46,8 @@ PEFT_PREFIX = "base_model.model."
 """PEFT's prefix for a module path in a saved adapter."""
 HOSTED_UNEMBED = "model.unembed_tokens"
 """Hosted Tinker's module path for the unembedding LoRA in exported adapters."""
+LANGUAGE_MODEL = ("model.", "model.language_model.")
+"""A vision-language checkpoint's text model paths, as the text model names them and as the checkpoint does."""
 EMBED = "base_model.model.model.embed_tokens."
 EMBED_A, EMBED_B = f"{EMBED}lora_embedding_A", f"{EMBED}lora_embedding_B"
 
@@ -62,9 +66,11 @@ class AdapterNaming:
     """The names of one model's slots in both namings, and the way back."""
 
     def __init__(self, slots: dict[str, Slot], head: str, arch: str, tied: bool,
-                 fused: dict[str, list[str]] | None = None) -> None:
+                 fused: dict[str, list[str]] | None = None, renamed: tuple[str, str] | None = None) -> None:
         """``head``: the output head's slot key; ``arch``: the model's architecture name (``GptOssForCausalLM``);
-        ``fused``: module path → the slot keys of its parts, in row order, for each projection trained as parts."""
+        ``fused``: module path → the slot keys of its parts, in row order, for each projection trained as parts;
+        ``renamed``: (prefix, as stored), a prefix of module paths stored under another name (``LANGUAGE_MODEL``)."""
+        self.renamed = renamed
         self.slots = slots
         self.head = head
         self.tied = tied
@@ -92,7 +98,7 @@ class AdapterNaming:
         out: dict[str, torch.Tensor] = {}
         for path, parts in self.fused.items():
             if parts[0] in tensors:  # a module's parts come all or none (LoRAModel.put)
-                name_a, name_b = _pair_names(path)
+                name_a, name_b = _pair_names(self._stored_path(path))
                 out[name_a] = torch.cat([tensors[key][0] for key in parts]).contiguous()
                 out[name_b] = torch.block_diag(*[tensors[key][1] for key in parts])
         for key, (a, b) in tensors.items():
@@ -101,15 +107,20 @@ class AdapterNaming:
             if self.slots[key].experts:
                 match = _EXPERT_SLOT.match(key)
                 for e in range(a.shape[0]):
-                    name_a, name_b = _pair_names(f"{match['experts']}.{e}.{match['proj']}")
+                    name_a, name_b = _pair_names(self._stored_path(f"{match['experts']}.{e}.{match['proj']}"))
                     out[name_a], out[name_b] = a[e].contiguous(), b[e].contiguous()
             else:
-                name_a, name_b = _pair_names(key)
+                name_a, name_b = _pair_names(self._stored_path(key))
                 out[name_a], out[name_b] = a, b
         if self.tied and self.head in tensors:
             a, b = tensors[self.head]
             out[EMBED_A], out[EMBED_B] = b.T.contiguous(), a.T.contiguous()
         return out
+
+    def _stored_path(self, path: str) -> str:
+        if self.renamed and path.startswith(self.renamed[0]):
+            return self.renamed[1] + path.removeprefix(self.renamed[0])
+        return path
 
     def exported(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Hosted Tinker's naming."""
@@ -156,7 +167,10 @@ class AdapterNaming:
             match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", name)
             if match is None:
                 raise UserError(f"adapter tensor {name} is not a LoRA pair this server reads")
-            by_path.setdefault(match[1], {})[match[2]] = tensor
+            path = match[1]
+            if self.renamed and path.startswith(self.renamed[1]):
+                path = self.renamed[0] + path.removeprefix(self.renamed[1])
+            by_path.setdefault(path, {})[match[2]] = tensor
         hosted = {self._hosted_path(key): key for key in self.slots}
         experts: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

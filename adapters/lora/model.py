@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from adapters.lora.experts import LoRAExperts
-from adapters.lora.files import AdapterNaming
+from adapters.lora.files import LANGUAGE_MODEL, AdapterNaming
 from adapters.lora.linear import LoRALinear, Slot
 from adapters.lora.routing import Router
 from adapters.lora.targets import GROUPS, wrap_model
@@ -41,12 +41,14 @@ class LoRAModel:
         """The output head's slot key (``lm_head``)."""
         return self.head.adapters.slots[0].key
 
-    def naming(self) -> AdapterNaming:
+    def naming(self, vision_language: bool = False) -> AdapterNaming:
         """How this model's adapters are named in files (``adapters.lora.files``), by the class of the model loaded
-        (the same in the trainer and the sampler, a vision-language checkpoint's text model included)."""
+        (the same in the trainer and the sampler, a vision-language checkpoint's text model included) and, stored,
+        whether the checkpoint is a vision-language one (``adapters.models.resolve.is_vision_language``)."""
         fused = {path: [slot.key for slot in module.adapters.slots] for path, module in self.modules.items()
                  if len(module.adapters.slots) > 1 and not isinstance(module, LoRAExperts)}
-        return AdapterNaming(self.slots, self.head_key, type(self.base).__name__, self.tied, fused)
+        return AdapterNaming(self.slots, self.head_key, type(self.base).__name__, self.tied, fused,
+                             LANGUAGE_MODEL if vision_language else None)
 
     @property
     def device(self) -> torch.device:

@@ -57,6 +57,12 @@ def text_settings(config) -> TextSettings:
                         max_context=int(getattr(text, "max_position_embeddings", None) or 2048))
 
 
+def is_vision_language(config) -> bool:
+    """Whether the checkpoint is a vision-language one (its text settings in a ``text_config``): its language model's
+    weights then sit under ``model.language_model.``, which vLLM and tinker-cookbook name adapters by."""
+    return config.get_text_config(decoder=True) is not config
+
+
 SAMPLER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -22,7 +22,7 @@ import torch
 
 from adapters.actors import ray_node
 from adapters.lora.model import LoRAModel
-from adapters.models.resolve import text_settings
+from adapters.models.resolve import is_vision_language, text_settings
 from adapters.trainer.files import CheckpointFiles
 from adapters.trainer.forward import MixedForward
 from adapters.trainer.interface import (
@@ -70,7 +70,7 @@ class MultiLoRATrainer:
         self.adapters = AdapterTable(self.model, self.device, max_adapters)
         """The training runs, by ``model_id``."""
         self.forward_pass = MixedForward(self.model, self.adapters, self.facts, self.device)
-        self.files = CheckpointFiles(self.adapters, location, self.model.naming())
+        self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
 
     # ---- adapters -------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from adapters.batching import Coalescer
 from adapters.lora.files import read_adapter_file
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
-from adapters.models.resolve import resolve_dtype, text_settings
+from adapters.models.resolve import is_vision_language, resolve_dtype, text_settings
 from adapters.samplers.grammar import JsonGrammars, check_constraint
 from adapters.samplers.hf.decode import BatchDecoder, BatchRequest
 from adapters.samplers.interface import AdapterRef, OnToken, ResidentAdapters, SamplerBackend, SamplerFacts
@@ -42,7 +42,7 @@ class TransformersSampler(SamplerBackend):
         """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
         completion (unset, or beyond it: the model's context). ``disable_any_whitespace``: constrained JSON without
         optional whitespace, as vLLM's setting of that name."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if threads:
             torch.set_num_threads(threads)
@@ -54,7 +54,7 @@ class TransformersSampler(SamplerBackend):
         self.base.requires_grad_(False)
         self.model = LoRAModel(self.base)
         """The same LoRA model the trainer holds: adapters load, scale and compute as they train."""
-        self.naming = self.model.naming()
+        self.naming = self.model.naming(is_vision_language(AutoConfig.from_pretrained(location)))
         text = text_settings(self.base.config)
         eos = self.base.generation_config.eos_token_id if self.base.generation_config else None
         if eos is None:
