@@ -64,6 +64,11 @@ class ServerConfig:
              "together share a batch up to this size, and a single larger call is refused (default: %(default)s)")
     max_adapters: int = option(
         64, "most training runs (LoRA adapters) held at once per base model (default: %(default)s)", check=at_least(1))
+    activation_checkpointing_tokens: int = option(
+        4096, check=at_least(0),
+        help="a trainer batch of at least this many tokens (padding included) that trains keeps no decoder layer's "
+             "activations: each layer's are recomputed in backward, so memory grows with the length by about one "
+             "layer's activations; 0: never (default: %(default)s)")
     max_adapters_per_key: int = option(
         64, check=at_least(1),
         help="most training runs one API key may have loaded at once, over all base models; unload one (or let its "

@@ -278,3 +278,45 @@ def test_peft_itself_loads_the_stored_fused_mamba_projection(model_cache, tmp_pa
     expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
     assert np.abs(expected - np.asarray(trainer.score(None, TOKENS))).max() > 1e-3, "the adapter changes nothing"
     np.testing.assert_allclose(trainer.score(str(stored), TOKENS), expected, atol=2e-5)
+
+
+def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(family):
+    """With every decoder layer checkpointed (``adapters.trainer.recompute``: recomputed in backward, its routing
+    restored), a mixed batch of two adapters of different lengths runs as one batch (each layer checkpointed once)
+    and gets the loss, logprobs and gradients it gets with every activation kept, on every family's layers
+    (experts, MLA, DeltaNet, Mamba). It also caught mixed batches failing on Qwen3.5's shared expert, which sees
+    the batch's tokens flattened (they fell back to running one by one)."""
+    name, _, trainer = family
+    second = [5, 300, 17, 2, 99, 140, 3, 77, 260, 8, 11]
+    data = [_datum(), DatumArrays(tokens=np.asarray(second[:-1]), loss_fn_inputs={
+        "target_tokens": np.asarray(second[1:]), "weights": np.ones(len(second) - 1, dtype=np.float32)})]
+    outcomes = {}
+    for recompute in (False, True):
+        trainer.forward_pass.recompute.min_tokens = 1 if recompute else 0
+        for run, seed in (("a", 5), ("b", 6)):
+            trainer.create(run, LoraSpec(rank=4, seed=seed))
+            _perturbed(trainer, run, seed)
+        calls: list[int] = []
+
+        def counted(*args, _calls=calls, **kwargs):
+            _calls.append(1)
+            return torch.utils.checkpoint.checkpoint(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("adapters.trainer.recompute.checkpoint", counted)
+            results = trainer.forward_backward_batch([StepRequest("a", data[:1], "cross_entropy", {}, False),
+                                                      StepRequest("b", data[1:], "cross_entropy", {}, False)])
+        assert len(calls) == (len(trainer.forward_pass.recompute.layers) if recompute else 0)
+        outcomes[recompute] = (results, {run: [p.grad.clone() for p in trainer.adapters[run].params]
+                                         for run in ("a", "b")})
+        for run in ("a", "b"):
+            trainer.unload(run)
+    trainer.forward_pass.recompute.min_tokens = 0
+    (kept, kept_grads), (recomputed, recomputed_grads) = outcomes[False], outcomes[True]
+    for mine, theirs in zip(recomputed, kept, strict=True):
+        assert mine.metrics["loss:sum"] == pytest.approx(theirs.metrics["loss:sum"], rel=1e-6, abs=1e-6)
+        np.testing.assert_allclose(mine.outputs[0]["logprobs"], theirs.outputs[0]["logprobs"], atol=1e-6)
+    for run in ("a", "b"):
+        for mine, theirs in zip(recomputed_grads[run], kept_grads[run], strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5,
+                                       msg=lambda m, run=run: f"{name} {run}: {m}")

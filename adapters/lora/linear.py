@@ -123,8 +123,11 @@ class LoRALinear(nn.Module):
             return y
         if len(routing.groups) == 1:
             return y + self.delta(x, routing.groups[0][0])
-        parts = [y[lo:hi] + self.delta(x[lo:hi], name) if name in self.adapters else y[lo:hi]
-                 for name, lo, hi in routing.groups]
+        # A layer may see the batch's tokens flattened row by row (a MoE block's shared expert): a row's slice is
+        # then its tokens.
+        per_row = x.shape[0] // routing.rows
+        parts = [y[lo * per_row:hi * per_row] + self.delta(x[lo * per_row:hi * per_row], name)
+                 if name in self.adapters else y[lo * per_row:hi * per_row] for name, lo, hi in routing.groups]
         return torch.cat(parts)
 
 

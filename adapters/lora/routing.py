@@ -41,9 +41,14 @@ class Router:
     def __init__(self) -> None:
         self.current: Routing | None = None
 
+    def routing(self, names: list[str | None] | None):
+        """A context in which rows go through ``names`` (None: every row through the base model)."""
+        return self.restored(Routing.of(names) if names else None)
+
     @contextmanager
-    def routing(self, names: list[str | None] | None) -> Iterator[None]:
-        previous, self.current = self.current, (Routing.of(names) if names else None)
+    def restored(self, routing: Routing | None) -> Iterator[None]:
+        """A context in which ``routing`` is current again (a layer recomputed in backward: ``adapters.trainer.recompute``)."""
+        previous, self.current = self.current, routing
         try:
             yield
         finally:

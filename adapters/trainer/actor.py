@@ -49,7 +49,10 @@ __all__ = ["LORA_ALPHA", "MAX_LORA_RANK", "AdamHyper", "DimuonHyper", "LoraSpec"
 class MultiLoRATrainer:
     """Holds one base model and the LoRA adapters of every training run on it."""
 
-    def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64) -> None:
+    def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64,
+                 recompute_tokens: int = 4096) -> None:
+        """``recompute_tokens``: training batches of at least this many tokens checkpoint each decoder layer
+        (``adapters.trainer.recompute``; 0: never)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if threads:
@@ -69,7 +72,7 @@ class MultiLoRATrainer:
         )
         self.adapters = AdapterTable(self.model, self.device, max_adapters)
         """The training runs, by ``model_id``."""
-        self.forward_pass = MixedForward(self.model, self.adapters, self.facts, self.device)
+        self.forward_pass = MixedForward(self.model, self.adapters, self.facts, self.device, recompute_tokens)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
 

@@ -16,6 +16,7 @@ import torch
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
 from adapters.trainer.interface import ModelFacts, StepRequest, StepResult
+from adapters.trainer.recompute import LayerRecompute
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.custom_loss.run import CustomLossBatch, check_custom_datum
 from shims.errors import UserError
@@ -32,8 +33,12 @@ LOGITS_CHUNK_ELEMENTS = 1 << 26
 class MixedForward:
     """Runs forward / forward_backward requests of the table's runs on one base model, for ``MultiLoRATrainer``."""
 
-    def __init__(self, model: LoRAModel, table: AdapterTable, facts: ModelFacts, device: torch.device) -> None:
+    def __init__(self, model: LoRAModel, table: AdapterTable, facts: ModelFacts, device: torch.device,
+                 recompute_tokens: int = 0) -> None:
+        """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
+        (``adapters.trainer.recompute``; 0: never)."""
         self.model = model
+        self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
         """The base model, its LoRA modules routing rows by ``model.router``."""
         self.base = model.base
         self.head = model.head
@@ -168,11 +173,12 @@ class MixedForward:
             ids[i, : d.tokens.size] = torch.tensor(d.tokens)
             mask[i, : d.tokens.size] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        with self.model.router.routing(names):
+        with self.model.router.routing(names), self.recompute.for_pass(ids.numel()):
             embeds = self.base.get_input_embeddings()(ids)
             if self.model.tied:
                 embeds = with_tied_input_side(embeds, ids, self.head)
-            return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+            # No cache: a training pass reads none, and a layer recomputed in backward must not append to one twice.
+            return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask, use_cache=False).last_hidden_state
 
     def target_logprobs(self, hidden: torch.Tensor, name: str | None, targets: torch.Tensor) -> torch.Tensor:
         """Logprobs of ``targets`` (one per position, or ``[positions, k]``) from one datum's final hidden states,

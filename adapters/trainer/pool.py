@@ -35,6 +35,8 @@ class TrainerPlacement:
     """Most input tokens one mixed forward_backward batch may hold (several requests join while it stays under)."""
     max_adapters: int = 64
     """Most training runs (LoRA adapters) one base model's trainer holds at once."""
+    recompute_tokens: int = 4096
+    """Training batches of at least this many tokens checkpoint each decoder layer (``adapters.trainer.recompute``)."""
 
 
 def _tokens(request: StepRequest | OptimRequest) -> int:
@@ -73,7 +75,8 @@ class TrainerPool:
             self.actors[name] = remote_cls.options(
                 num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
                 resources=self.placement.resources or None, name=None, max_restarts=-1, max_task_retries=0,
-            ).remote(spec.location, self.placement.threads, self.placement.max_adapters)
+            ).remote(spec.location, self.placement.threads, self.placement.max_adapters,
+                     self.placement.recompute_tokens)
             self.batches[name] = Coalescer(self._runner(name), self._admit)
             self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0, "optim_steps": 0,
                                        "optim_calls": 0}
