@@ -3,8 +3,9 @@
 Each adapter (one per Tinker training client, keyed by ``model_id``) has its own LoRA weights, its own optimizer state
 and its own step count. Gradients accumulate across ``forward_backward`` calls until ``optim_step`` applies them.
 LoRA runs through ``adapters.lora.layers`` (rows grouped by adapter); checkpoints are standard PEFT directories
-(``adapters.trainer.files``). This class is plain Python so it can be tested in-process; ``adapters.trainer.pool``
-runs it as a Ray actor.
+(``adapters.trainer.files``). This class is plain Python so it can be tested in-process; ``adapters.trainer.group``
+runs it as a Ray actor, or as N of them, each one shard of a trainer whose base model is split over N devices
+(``adapters.trainer.shards``): the same methods, called on every shard, rank 0 answering.
 
 Its public methods are the actor's interface (``compat_server.jobs.trainer_client`` calls them, one typed method
 each). The work is done by parts it holds, each knowing only the adapter table (``adapters.trainer.table``): the
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,7 @@ from adapters.trainer.interface import (
     read_lora_spec,
 )
 from adapters.trainer.optim import Optimizers
+from adapters.trainer.shards import Shards, ShardSpec, load_base, local_device, resident_bytes
 from adapters.trainer.table import AdapterTable
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -50,18 +54,20 @@ class MultiLoRATrainer:
     """Holds one base model and the LoRA adapters of every training run on it."""
 
     def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64,
-                 recompute_tokens: int = 4096) -> None:
+                 recompute_tokens: int = 4096, shard: ShardSpec | None = None) -> None:
         """``recompute_tokens``: training batches of at least this many tokens checkpoint each decoder layer
-        (``adapters.trainer.recompute``; 0: never)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        (``adapters.trainer.recompute``; 0: never). ``shard``: this process's place in a sharded trainer
+        (``adapters.trainer.shards``; None: the whole model here)."""
+        from transformers import AutoConfig
 
         if threads:
             torch.set_num_threads(threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = local_device()
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         config = AutoConfig.from_pretrained(location)
         text = text_settings(config)  # a vision-language checkpoint trains and serves as its text model
-        base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device)
+        self.shards = Shards(shard, self.device)
+        base = load_base(location, dtype, self.shards)
         base.requires_grad_(False)
         self.model = LoRAModel(base)
         """The base model with every weight matrix a LoRA adapts wrapped (``adapters.lora.targets``)."""
@@ -69,16 +75,20 @@ class MultiLoRATrainer:
             vocab_size=text.vocab_size, max_context=text.max_context,
             arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
             pid=os.getpid(), boot=uuid.uuid4().hex, lora_targets=self.model.describe(),
+            shard=self.shards.rank, shards=self.shards.world, backend=self.shards.backend,
+            base_bytes=resident_bytes(base),
         )
         self.adapters = AdapterTable(self.model, self.device, max_adapters)
         """The training runs, by ``model_id``."""
-        self.forward_pass = MixedForward(self.model, self.adapters, self.facts, self.device, recompute_tokens)
+        self.forward_pass = MixedForward(self.model, self.adapters, self.facts, self.device, recompute_tokens,
+                                         self.shards)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
 
     # ---- adapters -------------------------------------------------------------------------------------------------
     def model_facts(self) -> ModelFacts:
-        return self.facts
+        """Who this trainer (or shard) is, and what its base model holds now (``base_bytes``)."""
+        return replace(self.facts, base_bytes=resident_bytes(self.model.base))
 
     def create(self, model_id: str, spec: LoraSpec) -> None:
         """Add a freshly initialised adapter (LoRA B = 0, so it starts equal to the base model)."""
@@ -138,13 +148,9 @@ class MultiLoRATrainer:
         probe = None
         if directory is not None:
             probe = self.files.staged(Path(directory), read_lora_spec(Path(directory)), with_optimizer=False)
-        name = None if probe is None else probe.name
         try:
-            with torch.no_grad():
-                datum = DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64))
-                hidden = self.forward_pass.hidden_states([datum], None if name is None else [name])
-                targets = torch.tensor(tokens[1:], device=self.device)
-                return self.forward_pass.target_logprobs(hidden[0], name, targets).cpu().tolist()
+            datum = DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64)) if self.shards.writes else None
+            return self.forward_pass.score(datum, None if probe is None else probe.name, tokens[1:])
         finally:
             if probe is not None:
                 self.adapters.discard(probe)
@@ -152,15 +158,23 @@ class MultiLoRATrainer:
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
-        self.files.save_for_sampler(model_id, directory)
+        self._write(self.files.save_for_sampler, model_id, directory)
 
     def save_for_export(self, model_id: str, directory: str) -> None:
         """Write the adapter for download, named as hosted Tinker names it."""
-        self.files.save_for_export(model_id, directory)
+        self._write(self.files.save_for_export, model_id, directory)
 
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
-        self.files.save_state(model_id, directory)
+        self._write(self.files.save_state, model_id, directory)
+
+    def _write(self, write: Callable[[str, str], None], model_id: str, directory: str) -> None:
+        """Every shard holds the same adapters and optimizer state, so rank 0 alone writes them; the others only
+        check the run is there (so that each fails as rank 0 does)."""
+        if self.shards.writes:
+            write(model_id, directory)
+        else:
+            self.adapters.get_run(model_id)
 
     def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
         """Replace (or create) ``model_id``'s adapter with the checkpoint's weights, and optionally its optimizer

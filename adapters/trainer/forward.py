@@ -3,6 +3,10 @@
 Every row goes through its own run's adapter (``adapters.lora.routing`` routes rows by adapter), each request's loss
 is computed on its own rows, and one backward adds each run's gradient to that run only. Scoring stays chunked so
 that a long datum never holds all of its logits at once.
+
+On a sharded trainer (``adapters.trainer.shards``) each shard runs the datums the batch assigns it, and the shards
+combine what belongs to a request as a whole: its loss, whether it failed, its custom-loss metrics and the adapters'
+gradients; rank 0 answers with every datum's output.
 """
 
 from __future__ import annotations
@@ -10,15 +14,18 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
 from adapters.trainer.interface import ModelFacts, StepRequest, StepResult
 from adapters.trainer.recompute import LayerRecompute
+from adapters.trainer.shards import Shards
 from adapters.trainer.table import Adapter, AdapterTable
-from shims.custom_loss.run import CustomLossBatch, check_custom_datum
+from shims.custom_loss.run import CustomLossBatch, check_custom_datum, combined_metrics
 from shims.errors import UserError
 from shims.losses import check_datum, datum_loss, resolve_config
 from shims.tinker.training_wire import DatumArrays
@@ -29,14 +36,36 @@ LOGITS_CHUNK_ELEMENTS = 1 << 26
 """At most this many logits (positions × vocabulary) exist at once per datum: 256 MiB in float32, ~440 positions at a
 151k vocabulary. Longer datums are scored chunk by chunk, each chunk's logits recomputed in backward instead of kept."""
 
+IDLE_ROW = DatumArrays(tokens=np.zeros(1, dtype=np.int64))
+"""What a shard with no datum of a batch runs through the base model, so that it takes part in the batch's
+collectives (``adapters.trainer.shards``)."""
+
+Ready = tuple[int, StepRequest, Adapter, dict]
+"""A request that passed its checks: its index in the batch, itself, its run's adapter, its loss config."""
+
+
+@dataclass
+class _Part:
+    """What one shard computed of one request: its datums' summed loss and outputs, or its error."""
+
+    total: torch.Tensor | None = None
+    loss: float = 0.0
+    outputs: dict[int, np.ndarray] = field(default_factory=dict)
+    """By the datum's index within the request."""
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    """Its datums' target logprobs, where a custom loss's own backward ends."""
+    custom: CustomLossBatch | None = None
+    """A custom loss over the datums here, with their metrics."""
+    error: UserError | Exception | None = None
+
 
 class MixedForward:
     """Runs forward / forward_backward requests of the table's runs on one base model, for ``MultiLoRATrainer``."""
 
     def __init__(self, model: LoRAModel, table: AdapterTable, facts: ModelFacts, device: torch.device,
-                 recompute_tokens: int = 0) -> None:
+                 recompute_tokens: int = 0, shards: Shards | None = None) -> None:
         """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
-        (``adapters.trainer.recompute``; 0: never)."""
+        (``adapters.trainer.recompute``; 0: never). ``shards``: the trainer's group (None: a plain trainer)."""
         self.model = model
         self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
         """The base model, its LoRA modules routing rows by ``model.router``."""
@@ -45,16 +74,18 @@ class MixedForward:
         self.table = table
         self.facts = facts
         self.device = device
+        self.shards = shards or Shards(None, device)
 
     def run(self, requests: list[StepRequest]) -> list[StepResult | UserError]:
         """Run several requests — of any adapters, ranks and losses on this base model — as one mixed-adapter batch:
         each row goes through its own adapter, each request's loss is computed on its own rows, and one backward adds
         each adapter's gradient to that adapter only, exactly as running it alone would. A request that is invalid,
         or whose loss is not finite, gets its own error and adds nothing; the others still run. ``forward_only``
-        requests share the forward and add no gradient."""
+        requests share the forward and add no gradient. A sharded trainer's shards other than rank 0 return None for
+        every request (rank 0 answers)."""
         started = time.perf_counter()
         outcomes: list[StepResult | UserError | None] = [None] * len(requests)
-        ready: list[tuple[int, StepRequest, Adapter, dict]] = []
+        ready: list[Ready] = []
         for index, request in enumerate(requests):
             try:
                 adapter = self.table.get_run(request.model_id)
@@ -74,19 +105,26 @@ class MixedForward:
         if ready:
             ready.sort(key=lambda item: item[2].name)  # each adapter's rows become one slice (adapters.lora.routing)
             self._run_isolated(ready, outcomes, started)
+        if not self.shards.writes:
+            return [None] * len(requests)  # type: ignore[list-item]
         return outcomes  # type: ignore[return-value]
 
-    def _run_isolated(self, ready: list[tuple[int, StepRequest, Adapter, dict]],
-                      outcomes: list[StepResult | UserError | None], started: float) -> None:
-        """Run ``ready`` as one batch. Whatever one request does to the shared passes — a loss whose backward raises,
-        an input the forward cannot take, memory it runs out of — the batch then added no gradient anywhere
-        (``_run_mixed`` adds them only once everything succeeded), and each request runs again alone: only the one
-        that fails gets an error, and every other gets exactly what it gets alone."""
+    def _run_isolated(self, ready: list[Ready], outcomes: list[StepResult | UserError | None],
+                      started: float) -> None:
+        """Run ``ready`` as one batch. Whatever one request does to the shared passes — an input the forward cannot
+        take, memory it runs out of — the batch then added no gradient anywhere (``_run_mixed`` adds them only once
+        everything succeeded), and each request runs again alone: only the one that fails gets an error, and every
+        other gets exactly what it gets alone. A sharded trainer cannot: its other shards wait in the pass that
+        failed (``Shards.fatal``)."""
         try:
             self._run_mixed(ready, outcomes, started)
             return
         except Exception as exc:  # noqa: BLE001 - which request caused it is found by running them apart
+            if self.shards.sharded:
+                self.shards.fatal(exc)
             failure = exc
+        finally:
+            self.shards.settle(self.base)
         if len(ready) == 1:
             index, request, _, _ = ready[0]
             outcomes[index] = _failed(request, failure)
@@ -97,75 +135,148 @@ class MixedForward:
         for item in ready:
             self._run_isolated([item], outcomes, started)
 
-    def _run_mixed(self, ready: list[tuple[int, StepRequest, Adapter, dict]],
-                   outcomes: list[StepResult | UserError | None], started: float) -> None:
-        data = [d for _, request, _, _ in ready for d in request.data]
-        names = [adapter.name for _, request, adapter, _ in ready for _ in request.data]
-        with torch.set_grad_enabled(not all(request.forward_only for _, request, _, _ in ready)):
-            hidden = self.hidden_states(data, names)
-            row, trained, learning = 0, [], []
-            for index, request, adapter, config in ready:
-                first, row = row, row + len(request.data)
-                try:
-                    total, result = self._request_loss(request, adapter, config, hidden[first:row])
-                except UserError as exc:  # this request's own failure, not the batch's
-                    outcomes[index] = exc
+    def _run_mixed(self, ready: list[Ready], outcomes: list[StepResult | UserError | None], started: float) -> None:
+        # The batch's datums in row order, and the ones this shard runs (all of them on a plain trainer).
+        datums = [(position, offset) for position, (_, request, _, _) in enumerate(ready)
+                  for offset in range(len(request.data))]
+        mine = self.shards.mine([ready[p][1].data[o].tokens.size for p, o in datums])
+        trains = not all(request.forward_only for _, request, _, _ in ready)
+        parts = [_Part() for _ in ready]
+        with torch.set_grad_enabled(trains):
+            rows = [ready[datums[i][0]][1].data[datums[i][1]] for i in mine] or [IDLE_ROW]
+            names = [ready[datums[i][0]][2].name for i in mine] or [None]
+            hidden, probe = self._hidden_through_root(rows, names)
+            for row, i in enumerate(mine):
+                position, offset = datums[i]
+                part = parts[position]
+                if part.error is None:
+                    self._datum_loss(ready[position], offset, hidden[row], part)
+            for position, part in enumerate(parts):
+                self._close_part(ready[position][1], part)
+            failed, losses = self._agree(parts)
+            learning: list[torch.nn.Parameter] = []
+            trained = []
+            for position, (_, request, adapter, _) in enumerate(ready):
+                if failed[position] or request.forward_only:
                     continue
-                if not request.forward_only:
-                    trained.append(total)
-                    learning.extend(adapter.params)
-                outcomes[index] = result
-            if trained:
-                # Gradients of the learning adapters only (the layers concatenate every adapter's rows, so a plain
-                # backward would also reach the adapters only being read), added to theirs only once the whole
-                # backward has succeeded: a failing backward leaves every adapter's gradient as it was.
-                grads = torch.autograd.grad(torch.stack(trained).sum(), learning, allow_unused=True)
-                with torch.no_grad():
-                    for param, grad in zip(learning, grads, strict=True):
-                        if grad is None:
-                            continue
-                        if param.grad is None:
-                            param.grad = grad.contiguous()
-                        else:
-                            param.grad += grad
+                learning.extend(adapter.params)
+                if parts[position].total is not None:
+                    trained.append(parts[position].total)
+            if learning:
+                self._backward(trained, learning, hidden, probe)
+        answers = self.shards.gather([(p.outputs, p.custom.tally() if p.custom else None,
+                                       p.error if failed[i] else None) for i, p in enumerate(parts)])
+        if answers is None:
+            return
         seconds = time.perf_counter() - started
-        for index, _, _, _ in ready:
-            if isinstance(outcomes[index], StepResult):
-                outcomes[index].seconds = seconds
+        for position, (index, request, _, _) in enumerate(ready):
+            shares = [answer[position] for answer in answers]
+            if failed[position]:
+                outcomes[index] = next((error for _, _, error in shares if error is not None), None) or UserError(
+                    f"the loss is not finite ({losses[position]}); check the loss inputs")
+                continue
+            outputs = {offset: lp for share in shares for offset, lp in share[0].items()}
+            tallies = [share[1] for share in shares if share[1] is not None]
+            metrics = {**(combined_metrics(tallies) if request.custom_loss is not None else {}),
+                       "loss:sum": losses[position]}
+            outcomes[index] = StepResult(outputs=[{"logprobs": outputs[i]} for i in range(len(request.data))],
+                                         metrics=metrics, seconds=seconds,
+                                         num_tokens=int(sum(d.tokens.size for d in request.data)))
 
-    def _request_loss(self, request: StepRequest, adapter: Adapter, config: dict,
-                      hidden: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
-        """One request's summed loss over its rows of ``hidden``, and its result; a ``UserError`` for a loss the
-        client got wrong (a custom loss that fails, or makes a loss that is not finite or has no gradient)."""
-        custom = CustomLossBatch(request.custom_loss) if request.custom_loss is not None else None
-        total = torch.zeros((), device=self.device)
-        outputs = []
+    def _datum_loss(self, item: Ready, offset: int, hidden: torch.Tensor, part: _Part) -> None:
+        """Add one datum's loss and output to its request's part; a ``UserError`` for a loss the client got wrong
+        (a custom loss that fails) is recorded as the part's error."""
+        _, request, adapter, config = item
+        d = request.data[offset]
+        custom = request.custom_loss
         try:
-            for offset, d in enumerate(request.data):
-                targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
-                target_logprobs = self.target_logprobs(hidden[offset, : d.tokens.size], adapter.name, targets)
-                inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
-                total = total + (custom.datum(target_logprobs, inputs) if custom is not None else
-                                 datum_loss(request.loss_fn, target_logprobs, inputs, config))
-                outputs.append({"logprobs": target_logprobs.detach().float().cpu().numpy()})
-            loss = float(total.detach())
-            metrics = {**(custom.metrics() if custom is not None else {}), "loss:sum": loss}
-        except UserError:
-            raise
+            targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
+            target_logprobs = self.target_logprobs(hidden[: d.tokens.size], adapter.name, targets)
+            inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
+            if custom is not None:
+                part.custom = part.custom or CustomLossBatch(custom)
+                loss = part.custom.datum(target_logprobs, inputs)
+            else:
+                loss = datum_loss(request.loss_fn, target_logprobs, inputs, config)
+        except UserError as exc:
+            part.error = exc
+            return
         except Exception as exc:
             if custom is None:
                 raise
-            raise _failed(request, exc) from None
-        if not math.isfinite(loss):  # before backward: a bad request must not touch accumulated gradients
-            raise UserError(f"the loss is not finite ({loss}); check the loss inputs")
-        if not request.forward_only and custom is not None and not total.requires_grad:
-            raise UserError(f"custom loss {custom.loss.name!r} does not depend on logprobs, so it has no gradient")
-        return total, StepResult(outputs=outputs, metrics=metrics,
-                                 num_tokens=int(sum(d.tokens.size for d in request.data)), seconds=0.0)
+            part.error = _failed(request, exc)
+            return
+        part.total = loss if part.total is None else part.total + loss
+        part.logprobs.append(target_logprobs)
+        part.outputs[offset] = target_logprobs.detach().float().cpu().numpy()
 
-    def hidden_states(self, data: list[DatumArrays], names: list[str] | None) -> torch.Tensor:
+    def _close_part(self, request: StepRequest, part: _Part) -> None:
+        """Check what can only be checked of a request's loss as a whole on this shard: that a custom loss that
+        trains depends on the logprobs, and that its backward runs (the client's code, which must fail alone here
+        rather than inside the shared backward)."""
+        if part.error is not None or part.total is None:
+            return
+        part.loss = float(part.total.detach())
+        custom = request.custom_loss
+        if request.forward_only or custom is None:
+            return
+        if not part.total.requires_grad:
+            part.error = UserError(f"custom loss {custom.name!r} does not depend on logprobs, so it has no gradient")
+            return
+        try:  # through the loss's own steps only, down to the logprobs; the shared backward comes later
+            torch.autograd.grad(part.total, part.logprobs, retain_graph=True, allow_unused=True)
+        except Exception as exc:  # noqa: BLE001 - the client's loss failed in backward
+            part.error = _failed(request, exc)
+
+    def _agree(self, parts: list[_Part]) -> tuple[list[bool], list[float]]:
+        """Which requests failed on any shard, or have a loss that is not finite, and each request's loss summed
+        over the shards: the same answer on every shard, so that every shard leaves the same requests out of the
+        backward."""
+        status = torch.zeros((len(parts), 2), dtype=torch.float64, device=self.device)
+        for i, part in enumerate(parts):
+            status[i, 0] = part.loss if part.error is None else 0.0
+            status[i, 1] = part.error is not None
+        status = self.shards.sum(status).cpu()
+        losses = status[:, 0].tolist()
+        return [bool(status[i, 1] > 0) or not math.isfinite(losses[i]) for i in range(len(parts))], losses
+
+    def _backward(self, trained: list[torch.Tensor], learning: list[torch.nn.Parameter], hidden: torch.Tensor,
+                  probe: torch.Tensor | None) -> None:
+        """Gradients of the learning adapters only (the layers concatenate every adapter's rows, so a plain backward
+        would also reach the adapters only being read), summed over the shards and added to theirs only once the
+        whole backward has succeeded. A sharded trainer's shards all go through every layer (``probe``), also one
+        whose datums train nothing, for the collectives of the layers' backward."""
+        root = torch.stack(trained).sum() if trained else hidden.sum() * 0.0
+        inputs = learning + ([probe] if probe is not None else [])
+        grads = list(torch.autograd.grad(root, inputs, allow_unused=True))[: len(learning)]
+        if self.shards.world > 1:
+            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                              for p, g in zip(learning, grads, strict=True)])
+            self.shards.sum(flat)
+            grads = list(torch.split(flat, [p.numel() for p in learning]))
+            grads = [g.view_as(p) for g, p in zip(grads, learning, strict=True)]
+        with torch.no_grad():
+            for param, grad in zip(learning, grads, strict=True):
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad.contiguous()
+                else:
+                    param.grad += grad
+
+    def _hidden_through_root(self, data: list[DatumArrays], names: list[str | None]
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden_states`` run inside the sharded model's root call (``Shards.through_root``), and the leaf whose
+        gradient makes every shard's backward reach the first layer (None on a plain trainer)."""
+        probe: list[torch.Tensor] = []
+        hidden = self.shards.through_root(self.base, lambda: self.hidden_states(data, names, probe))
+        return hidden, probe[0] if probe else None
+
+    def hidden_states(self, data: list[DatumArrays], names: list[str | None] | None,
+                      probe: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Final hidden states of a right-padded batch, row ``i`` through adapter ``names[i]`` (None: the base
-        model); padded positions are masked out and never read."""
+        model); padded positions are masked out and never read. With ``probe`` (a sharded trainer's pass that
+        trains), the input embeddings become a leaf that needs a gradient, appended to it."""
         longest = max(d.tokens.size for d in data)
         ids = torch.zeros((len(data), longest), dtype=torch.long)
         mask = torch.zeros((len(data), longest), dtype=torch.long)
@@ -175,10 +286,29 @@ class MixedForward:
         ids, mask = ids.to(self.device), mask.to(self.device)
         with self.model.router.routing(names), self.recompute.for_pass(ids.numel()):
             embeds = self.base.get_input_embeddings()(ids)
+            if probe is not None and self.shards.sharded and torch.is_grad_enabled():
+                embeds = embeds.detach().requires_grad_(True)
+                probe.append(embeds)
             if self.model.tied:
                 embeds = with_tied_input_side(embeds, ids, self.head)
             # No cache: a training pass reads none, and a layer recomputed in backward must not append to one twice.
             return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask, use_cache=False).last_hidden_state
+
+    def score(self, data: DatumArrays | None, name: str | None, targets: list[int]) -> list[float] | None:
+        """Logprobs of ``targets`` after ``data`` through adapter ``name`` (None: the base model), without
+        gradients. On a sharded trainer rank 0 scores the datum and the other shards (``data`` None) take part."""
+        try:
+            with torch.no_grad():
+                hidden, _ = self._hidden_through_root([data if data is not None else IDLE_ROW], [name])
+                if data is None:
+                    return None
+                return self.target_logprobs(hidden[0], name, torch.tensor(targets, device=self.device)).cpu().tolist()
+        except Exception as exc:
+            if self.shards.sharded:
+                self.shards.fatal(exc)
+            raise
+        finally:
+            self.shards.settle(self.base)
 
     def target_logprobs(self, hidden: torch.Tensor, name: str | None, targets: torch.Tensor) -> torch.Tensor:
         """Logprobs of ``targets`` (one per position, or ``[positions, k]``) from one datum's final hidden states,

@@ -112,6 +112,13 @@ class ModelFacts:
     lora_targets: dict[str, list[str]] = field(default_factory=dict)
     """What a LoRA adapts on this model, by weight group (``attn``, ``mlp``, ``unembed``): each distinct weight once
     (``adapters.lora.model.LoRAModel.describe``)."""
+    shard: int = 0
+    """This process's rank in a sharded trainer (``adapters.trainer.shards``); 0 for a plain one."""
+    shards: int = 1
+    backend: str = ""
+    """The ``torch.distributed`` backend the shards talk through (``gloo``, ``nccl``); "" for a plain trainer."""
+    base_bytes: int = 0
+    """Bytes of memory the base model's weights hold in this process (a shard: its share)."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -312,5 +312,22 @@ class CustomLossBatch:
         self._count += 1
         return total
 
+    def tally(self) -> tuple[dict[str, float], int]:
+        """The metric sums and the datums counted so far: what ``combined_metrics`` reduces, also across the shards
+        of a sharded trainer that each ran some of the request's datums."""
+        return dict(self._sums), self._count
+
     def metrics(self) -> dict[str, float]:
-        return {key: value / self._count if key.endswith(":mean") else value for key, value in self._sums.items()}
+        return combined_metrics([self.tally()])
+
+
+def combined_metrics(tallies: Iterable[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of one request from the tallies of its datums (``CustomLossBatch.tally``): sums, ``:mean`` keys
+    divided by the number of datums."""
+    sums: dict[str, float] = {}
+    count = 0
+    for part, datums in tallies:
+        for key, value in part.items():
+            sums[key] = sums.get(key, 0.0) + value
+        count += datums
+    return {key: value / count if key.endswith(":mean") else value for key, value in sums.items()}

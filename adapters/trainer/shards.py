@@ -1,0 +1,233 @@
+"""One trainer spread over several processes (``--trainer-shards N``): the ``torch.distributed`` side of each shard.
+
+A base model too large for one device is split over N processes, one per device, each holding 1/N of its frozen
+weights (FSDP2: ``fully_shard`` per decoder layer, as transformers' own FSDP plan lays it out, loaded shard by shard
+so that no process ever holds the whole model). A layer's weights are gathered while the layer runs and freed after.
+
+The LoRA adapters are not sharded: they are small next to the base model (a rank-32 adapter of an 8B model is 0.3 %
+of it), so every shard holds every adapter and its optimizer state, and they stay equal because every shard applies
+the same summed gradient with the same optimizer (data parallelism for the adapters, FSDP for the base). A mixed
+batch is split across the shards by datum, balanced by tokens; each shard runs the forward and backward of its
+datums, the shards sum each request's loss and the adapters' gradients, and rank 0 answers with every datum's output.
+
+Collectives pair up only when every shard makes the same calls in the same order, so a shard never skips a pass: one
+with no datum of a batch runs a one-token row of the base model, and in backward every shard goes through every layer
+(``probe``). Failures that belong to one request (bad input, a custom loss that raises in forward or backward, a loss
+that is not finite) are found by the shard that meets them and agreed on by all before backward, so the request fails
+alone. A failure inside the shared passes themselves (out of device memory) cannot be pinned on one request without
+the other shards, which are then waiting in a collective: the shard exits, and the pool restarts the group
+(``adapters.trainer.group``).
+
+``Shards`` of world size 1 without a spec is the plain single-process trainer: every collective is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+log = logging.getLogger("compat_server.trainer")
+
+T = TypeVar("T")
+
+SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+"""Set on a shard's actor, Ray leaves ``CUDA_VISIBLE_DEVICES`` alone: the shard sees its node's GPUs (``local_device``)."""
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+"""How long a shard waits in one collective for the others. A shard that died is noticed by the pool long before
+(its process is gone); this only bounds a wait no process failure explains."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one shard sits in its group."""
+
+    rank: int
+    world: int
+    address: str
+    """``host:port`` where rank 0 listens for the others at start (``torch.distributed``'s TCP rendezvous)."""
+
+
+class Shards:
+    """How one trainer process takes part in its group: which datums it runs and the collectives that make N
+    processes act as one trainer. Without a spec: the plain trainer, alone, every collective a no-op."""
+
+    def __init__(self, spec: ShardSpec | None, device: torch.device) -> None:
+        self.spec = spec
+        self.rank = spec.rank if spec else 0
+        self.world = spec.world if spec else 1
+        self.device = device
+        self.backend = ""
+        if spec is not None:
+            import torch.distributed as dist
+
+            self.backend = "nccl" if device.type == "cuda" else "gloo"
+            if dist.is_initialized():  # a process that already joined this group (a second trainer in one process)
+                if (dist.get_rank(), dist.get_world_size()) != (spec.rank, spec.world):
+                    raise RuntimeError(f"this process is rank {dist.get_rank()} of {dist.get_world_size()} already, "
+                                       f"not {spec.rank} of {spec.world}")
+            else:
+                dist.init_process_group(self.backend, init_method=f"tcp://{spec.address}", rank=spec.rank,
+                                        world_size=spec.world, timeout=COLLECTIVE_TIMEOUT,
+                                        device_id=device if device.type == "cuda" else None)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the base model is sharded (FSDP), even over one process."""
+        return self.spec is not None
+
+    @property
+    def writes(self) -> bool:
+        """Whether this shard writes the group's files (adapters and optimizer state are the same on every shard)."""
+        return self.rank == 0
+
+    def mine(self, sizes: list[int]) -> list[int]:
+        """The datums (indices into ``sizes``, their token counts) this shard runs, in order: the longest first to
+        the shard with the fewest tokens so far, so that the shards finish together."""
+        if self.world == 1:
+            return list(range(len(sizes)))
+        load = [0] * self.world
+        owner = [0] * len(sizes)
+        for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            rank = min(range(self.world), key=lambda r: (load[r], r))
+            owner[index] = rank
+            load[rank] += sizes[index]
+        return [i for i, rank in enumerate(owner) if rank == self.rank]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the shards, in place (every shard gets the sum)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor)
+        return tensor
+
+    def gather(self, value: T) -> list[T] | None:
+        """Every shard's ``value`` (picklable), on rank 0 (None on the others)."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        values: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(value, values, dst=0)
+        return values
+
+    def through_root(self, model: nn.Module, run: Callable[[], T]) -> T:
+        """``run()`` as the forward of the sharded model's root module. FSDP2 prepares a pass, and after its backward
+        puts every layer's weights back in shards, in the root module's hooks, so the passes the trainer composes
+        itself (embedding, decoder, the head chunk by chunk: ``adapters.trainer.forward``) run inside its call."""
+        if not self.sharded:
+            return run()
+        model.forward = run  # an instance attribute, looked up by nn.Module.__call__ before the class's forward
+        try:
+            return model()
+        finally:
+            del model.forward
+
+    def settle(self, model: nn.Module) -> None:
+        """Free every gathered weight after a pass (FSDP2 keeps the last units' weights gathered after a forward
+        for the backward that usually follows): between passes each shard holds only its share."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def fatal(self, exc: BaseException) -> None:
+        """A shared pass failed on this shard: the others are waiting for it in a collective, and the pass cannot be
+        resumed. Exit, so the pool restarts the group (its runs reloaded from their checkpoints)."""
+        log.error("trainer shard %d of %d: a shared pass failed (%s: %s); the shard exits so that its group restarts",
+                  self.rank, self.world, type(exc).__name__, str(exc)[:500])
+        logging.shutdown()
+        os._exit(70)
+
+
+def load_base(location: str, dtype: torch.dtype, shards: Shards) -> nn.Module:
+    """The base model in ``dtype`` on the shard's device. Sharded: built on the meta device and loaded by
+    transformers' own FSDP plan (embeddings, each decoder layer, and the final norm with the head, each one FSDP2
+    unit), each shard reading from the checkpoint only the rows it keeps."""
+    from transformers import AutoModelForCausalLM
+
+    if not shards.sharded:
+        return AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
+    if shards.world > 1:
+        from transformers.distributed import DistributedConfig
+
+        # transformers puts the model on cuda:LOCAL_RANK; a shard's device index is its own (adapters.trainer.group).
+        os.environ["LOCAL_RANK"] = str(shards.device.index or 0)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype,
+                                                     distributed_config=DistributedConfig(fsdp_size=shards.world))
+        _own_copies(model)
+        return model
+    # transformers does not shard over one process; the same units are made here, so one process runs the very
+    # code N shards run (how the sharded path is checked on a single GPU: bench.gpu_smoke).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
+    mesh = init_device_mesh(shards.device.type, (1,))
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _own_copies(model: nn.Module) -> None:
+    """Give every shard of a weight memory of its own. On the CPU, a weight read from a safetensors file is a view
+    into the file's memory map of the whole tensor: the shard reads only its rows, yet would keep the file mapped and
+    hold rows it never uses once the page cache has them (and a model file changed on disk would change the weights
+    in use). Each sharded weight is copied out, before FSDP2 first runs and adopts the module's weights."""
+    from torch.distributed.tensor import DTensor
+
+    copies: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            local = param.to_local()
+            if local.untyped_storage().nbytes() <= local.numel() * local.element_size():
+                continue
+            if id(param) not in copies:  # a weight two modules share (a tied head) stays shared
+                copy = DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                                          shape=param.shape, stride=param.stride())
+                copies[id(param)] = nn.Parameter(copy, requires_grad=param.requires_grad)
+            module._parameters[name] = copies[id(param)]
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of memory the base model's weights hold in this process now: each distinct storage once, a shard's
+    local rows and any gathered weights not yet freed."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def local_device() -> torch.device:
+    """The device this trainer process computes on: its GPU if it has one, else the CPU. A shard of a sharded
+    trainer sees every GPU of its node (so that NCCL can reach its peers directly) and finds its own among them by
+    the id Ray gave it (``adapters.trainer.group``)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    import ray
+
+    ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    if ids and os.environ.get(SEE_ALL_GPUS) == "1":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        index = visible.split(",").index(str(ids[0])) if visible else int(ids[0])
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,121 @@
+"""The sharded trainer on every family hosted Tinker trains, in-process: two processes (gloo) each holding half of a
+tiny model of the family run the same mixed-adapter script as one plain trainer — every built-in loss, adapters of
+three ranks on different weight groups, a forward-only request, activation checkpointing, optim steps, scoring — and
+every output, metric, gradient norm and final weight equals the plain trainer's (fp32).
+
+No Ray and no server here (``tests/test_sharded_trainer.py`` runs the shards through both): this is the numerics of
+``adapters.trainer.shards`` and ``adapters.trainer.forward`` on mixtures of experts, MLA, linear attention, Mamba and a
+vision-language checkpoint, where a sharded weight or a shard's share of a batch is most easily got wrong."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.families import FAMILIES, family_dir
+from tests.server import free_port
+
+SHARDED = ("llama3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl", "nemotron_h")
+"""Tied and untied heads, experts of every layout, MLA, Gated DeltaNet with a vision tower, Mamba-2 (qwen3 and the
+text-only qwen3_5_moe are their neighbours' layouts)."""
+
+
+def script(trainer) -> tuple[list, list[float], dict]:
+    """Three rounds of mixed batches over three runs (ranks 8, 2 and 4; all weights, attention only, MLP and head),
+    every loss in turn, one run forward-only in the second round; each round's optim steps; then a score. Returns
+    the outcomes, the score and every run's final parameters."""
+    from adapters.trainer.interface import AdamHyper, LoraSpec, OptimRequest, StepRequest
+    from shims.losses import LOSSES
+    from tests.test_lora_exact import _datum
+
+    rng = np.random.default_rng(0)
+    specs = {"a": LoraSpec(rank=8, seed=1), "b": LoraSpec(rank=2, seed=2, train_mlp=False, train_unembed=False),
+             "c": LoraSpec(rank=4, seed=3, train_attn=False)}
+    for model_id, spec in specs.items():
+        trainer.create(model_id, spec)
+    losses = sorted(LOSSES)
+    rounds = []
+    for step in range(3):
+        requests = []
+        for j, model_id in enumerate(specs):
+            loss_fn = losses[(step * len(specs) + j) % len(losses)]
+            data = [_datum(rng, int(rng.integers(3, 40)), loss_fn) for _ in range(int(rng.integers(1, 4)))]
+            requests.append(StepRequest(model_id, data, loss_fn, {}, forward_only=model_id == "c" and step == 1))
+        outcomes = trainer.forward_backward_batch(requests)
+        stepped = trainer.optim_steps([OptimRequest(m, AdamHyper(learning_rate=1e-2)) for m in specs])
+        rounds.append((outcomes, stepped))
+    score = trainer.score(None, [1, 2, 3, 4, 5, 6])
+    weights = {m: [p.detach().cpu().numpy() for p in trainer.adapters[m].params] for m in specs}
+    return rounds, score, weights
+
+
+def _shard(rank: int, world: int, address: str, directories: list[str], results) -> None:
+    import torch
+
+    from adapters.trainer.actor import MultiLoRATrainer
+    from adapters.trainer.shards import ShardSpec
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for directory in directories:
+        trainer = MultiLoRATrainer(directory, recompute_tokens=64, shard=ShardSpec(rank, world, address))
+        outcome = script(trainer)
+        if rank == 0:
+            results.put((directory, outcome))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(model_cache) -> dict[str, tuple]:
+    """The script on two shards, for every family of ``SHARDED``, in two spawned processes."""
+    directories = [str(family_dir(name)) for name in SHARDED]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    address = f"127.0.0.1:{free_port()}"
+    shards = [context.Process(target=_shard, args=(rank, 2, address, directories, results)) for rank in range(2)]
+    for process in shards:
+        process.start()
+    found = {}
+    try:
+        for _ in directories:
+            directory, outcome = results.get(timeout=600)
+            found[Path(directory).name] = outcome
+    finally:
+        for process in shards:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    assert all(process.exitcode == 0 for process in shards), [process.exitcode for process in shards]
+    return found
+
+
+@pytest.mark.parametrize("family", SHARDED)
+def test_two_shards_train_every_family_as_one_trainer(sharded_runs, family):
+    from adapters.trainer.actor import MultiLoRATrainer
+    from shims.errors import UserError
+
+    assert family in FAMILIES
+    rounds, score, weights = script(MultiLoRATrainer(str(family_dir(family)), recompute_tokens=64))
+    split_rounds, split_score, split_weights = sharded_runs[family]
+    for (outcomes, stepped), (split_outcomes, split_stepped) in zip(rounds, split_rounds, strict=True):
+        for plain, split in zip(outcomes, split_outcomes, strict=True):
+            assert not isinstance(plain, UserError | Exception) and not isinstance(split, UserError | Exception)
+            assert plain.metrics.keys() == split.metrics.keys()
+            for key, value in plain.metrics.items():
+                assert split.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            for x, y in zip(plain.outputs, split.outputs, strict=True):
+                np.testing.assert_allclose(y["logprobs"], x["logprobs"], atol=1e-5)
+        for plain, split in zip(stepped, split_stepped, strict=True):  # 0 for the run that only ran forward
+            assert split["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+        assert sum(plain["grad_norm"] > 0 for plain in stepped) >= 2
+    np.testing.assert_allclose(split_score, score, atol=1e-5)
+    for model_id, params in weights.items():
+        for x, y in zip(params, split_weights[model_id], strict=True):
+            np.testing.assert_allclose(y, x, atol=1e-5)
