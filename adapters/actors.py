@@ -72,12 +72,19 @@ def _cancel(ref) -> None:
 async def call_actor(actor, method: str, what: str, *args, **kwargs):
     """Await ``actor.method(*args)``. A caller that stops waiting (its task cancelled) cancels the actor task too:
     queued, it never runs; running in an async actor, it is cancelled there (a sampler drops the request)."""
-    ref = getattr(actor, method).remote(*args, **kwargs)
+    return await await_call(getattr(actor, method).remote(*args, **kwargs), what, method)
+
+
+async def await_call(ref, what: str, method: str, cancel: bool = True):
+    """Await an actor call already submitted (``ref``), its errors translated as ``call_actor``'s. ``cancel``: a
+    caller that stops waiting cancels the call (not where several actors must all run the same calls: the shards of
+    one trainer, ``adapters.trainer.group``)."""
     try:
         with _translated(what, method):
             return await ref
     except asyncio.CancelledError:
-        _cancel(ref)
+        if cancel:
+            _cancel(ref)
         raise
 
 

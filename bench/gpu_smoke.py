@@ -68,7 +68,7 @@ class Checks:
             traceback.print_exc(limit=3)
 
 
-def smoke(backend: str, model: Path, device: str, data_dir: Path) -> list[str]:
+def smoke(backend: str, model: Path, device: str, data_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
     import openai
     import tinker
     from tinker import types
@@ -79,7 +79,7 @@ def smoke(backend: str, model: Path, device: str, data_dir: Path) -> list[str]:
     checks = Checks(backend)
     started = time.monotonic()
     server = start_server(data_dir, "--base-model", str(model), "--sampler-backend", backend,
-                          "--drift-probe-every", "1", timeout=900)
+                          "--drift-probe-every", "1", *extra, timeout=900)
     print(f"server with the {backend} sampler ready in {time.monotonic() - started:.0f} s at {server.base_url}")
     state: dict = {}
     try:
@@ -195,10 +195,59 @@ def smoke(backend: str, model: Path, device: str, data_dir: Path) -> list[str]:
     return checks.failed
 
 
+def sharded(model: Path, device: str) -> list[str]:
+    """The sharded trainer's code path (``--trainer-shards``: FSDP2 units, the process group, the collectives) at
+    world size 1 in this process, NCCL on a GPU, beside the plain trainer: the same training gives the same losses,
+    gradient norms and logprobs (within the dtype's tolerance). A machine with 3 or more GPUs also runs the server
+    smoke with the trainer sharded over all of them but one (``--trainer-shards``)."""
+    from adapters.trainer.actor import MultiLoRATrainer
+    from adapters.trainer.interface import AdamHyper, LoraSpec
+    from adapters.trainer.shards import ShardSpec
+    from shims.tinker.training_wire import DatumArrays
+    from tests.helpers import logprob_tolerance
+    from tests.server import free_port
+
+    checks = Checks("sharded trainer")
+    tokens = np.array(PROMPT + TARGET, dtype=np.int64)
+    weights = np.array([0.0] * (len(PROMPT) - 1) + [1.0] * len(TARGET), dtype=np.float32)
+    datum = DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+
+    def run(trainer) -> tuple[list[float], list[float], np.ndarray]:
+        trainer.create("smoke", LoraSpec(rank=16, seed=1))
+        losses, norms = [], []
+        for _ in range(5):
+            losses.append(trainer.forward_backward("smoke", [datum], "cross_entropy", {}, False).metrics["loss:sum"])
+            norms.append(trainer.optim_step("smoke", AdamHyper(learning_rate=5e-3))["grad_norm"])
+        out = trainer.forward_backward("smoke", [datum], "cross_entropy", {}, True).outputs[0]["logprobs"]
+        return losses, norms, out
+
+    def world_of_one() -> str:
+        split = MultiLoRATrainer(str(model), shard=ShardSpec(0, 1, f"127.0.0.1:{free_port()}"))
+        assert split.facts.device.startswith(device) and split.facts.backend == ("nccl" if device == "cuda" else
+                                                                                   "gloo"), split.facts
+        got = run(split)
+        del split
+        want = run(MultiLoRATrainer(str(model)))
+        tolerance = logprob_tolerance("bfloat16" if device == "cuda" else "float32")
+        gap = float(np.max(np.abs(got[2] - want[2])))
+        assert gap < tolerance, gap
+        np.testing.assert_allclose(got[0], want[0], rtol=tolerance)
+        np.testing.assert_allclose(got[1], want[1], rtol=tolerance)
+        assert got[0][-1] < got[0][0], got[0]
+        return (f"5 steps on {device} over {'nccl' if device == 'cuda' else 'gloo'}: losses {got[0][0]:.3f} → "
+                f"{got[0][-1]:.3f}, as the plain trainer's; logprob gap {gap:.2e}")
+
+    checks.run("world size 1", world_of_one)
+    return checks.failed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="transformers,vllm", help="sampler backends to check, comma-separated")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU when there is no CUDA GPU")
+    parser.add_argument("--trainer-shards", type=int, default=None,
+                        help="also run the server smoke with the trainer split over this many GPUs, one more GPU "
+                             "for the sampler (default: all GPUs but one, on a machine with 3 or more)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.allow_cpu:
@@ -208,9 +257,14 @@ def main() -> None:
     print(f"device: {device_name()}; torch {torch.__version__}")
     root = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     model = build_model(root / "model")
-    failed = []
+    failed = sharded(model, device)
     for backend in args.backends.split(","):
         failed += smoke(backend, model, device, root / f"data-{backend}")
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    shards = args.trainer_shards or (gpus - 1 if gpus >= 3 else 0)  # one GPU left for the sampler
+    if shards > 1:
+        failed += smoke(args.backends.split(",")[0], model, device, root / "data-sharded",
+                        ("--trainer-shards", str(shards), "--trainer-gpus", "1", "--sampler-gpus", "1"))
     print("ALL PASSED" if not failed else f"FAILED: {', '.join(failed)}")
     sys.exit(1 if failed else 0)
 

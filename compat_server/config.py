@@ -56,6 +56,12 @@ class ServerConfig:
         None, "Ray GPUs reserved by each trainer actor (default: 1 when the cluster has a GPU for each trainer and "
               "sampler, half of one GPU on a single-GPU machine, else 0)")
     trainer_threads: int | None = option(None, "torch threads in each trainer on CPU (default: torch's choice)")
+    trainer_shards: int = option(
+        1, check=at_least(1),
+        help="processes each base model's trainer is split over, one per device (a GPU each on a GPU cluster; they "
+             "may span nodes): each holds 1/N of the base model's weights (FSDP2) and runs 1/N of every batch; "
+             "--trainer-cpus, --trainer-gpus and --trainer-resource are per shard (default: %(default)s, the whole "
+             "model in one process)")
 
     # Trainers, and what one key may hold.
     max_batch_tokens: int = option(

@@ -88,7 +88,8 @@ def _custom_resources(config: ServerConfig) -> dict[str, float]:
     """The custom Ray resources every trainer and sampler replica together ask for."""
     needed: dict[str, float] = {}
     models = len(config.base_models)
-    for resources, count in ((config.trainer_resources, models), (config.sampler_resources, models * config.samplers)):
+    for resources, count in ((config.trainer_resources, models * config.trainer_shards),
+                             (config.sampler_resources, models * config.samplers)):
         for name, amount in resources.items():
             needed[name] = needed.get(name, 0.0) + amount * count
     return needed
@@ -107,7 +108,7 @@ def _init_ray(config: ServerConfig) -> None:
                                "`ray start --resources '{\"NAME\": AMOUNT}'`")
     else:
         # Ray CPUs are logical: ask for at least what the configured actors reserve, or they could never be placed.
-        per_model = config.trainer_cpus + config.samplers * config.sampler_cpus
+        per_model = config.trainer_cpus * config.trainer_shards + config.samplers * config.sampler_cpus
         cpus = math.ceil(per_model * len(config.base_models))
         ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, cpus), resources=needed or None,
                  object_store_memory=config.ray_object_store_mb * 1024 * 1024, include_dashboard=False,
@@ -129,7 +130,7 @@ async def start_services(config: ServerConfig) -> Services:
         num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads,
         resources=config.trainer_resources or None,
         max_batch_tokens=config.max_batch_tokens, max_adapters=config.max_adapters,
-        recompute_tokens=config.activation_checkpointing_tokens))
+        recompute_tokens=config.activation_checkpointing_tokens, shards=config.trainer_shards))
     backend = choose_backend(config.sampler_backend, sampler_gpus > 0)
     samplers = SamplerPool(list(base_models.values()), SamplerPlacement(
         count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,
@@ -199,16 +200,39 @@ async def _sweep_expired(services: Services) -> None:
 
 
 def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:
-    """Ray GPUs for each trainer and each sampler replica. Unset, they follow the cluster: none without GPUs; a whole
-    GPU each when there are enough; on a single GPU the trainers take half and the samplers share the other half."""
+    """Ray GPUs for each trainer (each shard of one) and each sampler replica. Unset, they follow the cluster: none
+    without GPUs; a whole GPU each when there are enough; on a single GPU an unsharded trainer takes half and the
+    samplers share the other half. A cluster without the GPUs they then need is refused, naming what is missing."""
     gpus = ray.cluster_resources().get("GPU", 0)
+    shards = num_models * config.trainer_shards
     replicas = config.samplers * num_models
-    if gpus >= num_models + replicas:
+    if gpus >= shards + replicas:
         default_trainer, default_sampler = 1.0, 1.0
-    elif gpus >= 1:
+    elif gpus >= 1 and config.trainer_shards == 1:
         default_trainer, default_sampler = 0.5 / num_models, 0.5 / replicas
+    elif gpus > shards:  # sharded trainers take a GPU each; the samplers share the rest
+        default_trainer, default_sampler = 1.0, min(1.0, (gpus - shards) / replicas)
+    elif gpus >= 1 and config.sampler_gpus is None:
+        raise ConfigurationRefused(
+            f"--trainer-shards {config.trainer_shards} puts each trainer shard on a GPU of its own: {num_models} base "
+            f"model(s) need {shards} GPUs for their shards and more for the samplers, but the Ray cluster has "
+            f"{gpus:g}; add GPUs, lower --trainer-shards, or give the samplers none (--sampler-gpus 0)")
+    elif gpus >= 1:
+        default_trainer, default_sampler = 1.0, 0.0
     else:
         default_trainer, default_sampler = 0.0, 0.0
     trainer = config.trainer_gpus if config.trainer_gpus is not None else default_trainer
     sampler = config.sampler_gpus if config.sampler_gpus is not None else default_sampler
+    if config.trainer_shards > 1 and 0 < trainer != int(trainer):
+        raise ConfigurationRefused(
+            f"--trainer-shards {config.trainer_shards} puts each shard on GPUs of its own (NCCL cannot run two shards "
+            f"on one GPU), but each shard would get {trainer:g} of a GPU; set --trainer-gpus to a whole number, or "
+            "--trainer-gpus 0 to shard on CPUs")
+    needed = shards * trainer + replicas * sampler
+    if needed > gpus + 1e-9:
+        raise ConfigurationRefused(
+            f"the trainers and samplers need {needed:g} GPUs ({num_models} base model(s) × --trainer-shards "
+            f"{config.trainer_shards} × {trainer:g} GPU, and {replicas} sampler replica(s) × {sampler:g} GPU) but the "
+            f"Ray cluster has {gpus:g}; add GPUs, or lower --trainer-shards, --samplers, --trainer-gpus or "
+            "--sampler-gpus")
     return trainer, sampler

@@ -10,6 +10,7 @@ import inspect
 import pytest
 
 from adapters.trainer.actor import MultiLoRATrainer
+from adapters.trainer.group import TrainerGroup
 from adapters.trainer.interface import LoraSpec
 from adapters.trainer.pool import TrainerPlacement, TrainerPool
 from compat_server.jobs.trainer_client import TrainerClient
@@ -69,9 +70,14 @@ class _FakeActor:
     ("save_for_export", ("m", "/ckpt")),
     ("score", (None, [1, 2, 3])),
 ])
-def test_each_operation_is_one_call_of_the_actor_method_of_its_name(operation, args):
-    pool = TrainerPool([], TrainerPlacement())
-    actor = pool.actors["base"] = _FakeActor()
+@pytest.mark.parametrize("shards", [1, 2])
+def test_each_operation_is_one_call_of_the_actor_method_of_its_name(operation, args, shards):
+    """On every shard of a sharded trainer, once each, and rank 0 answers."""
+    pool = TrainerPool([], TrainerPlacement(shards=shards))
+    group = pool.groups["base"] = TrainerGroup("base", "/model", pool.placement)
+    group.actors = [_FakeActor() for _ in range(shards)]
+    group.open()
     answer = asyncio.run(getattr(TrainerClient(pool, "base"), operation)(*args))
-    assert actor.calls == [(operation, args, {})]
+    for actor in group.actors:
+        assert actor.calls == [(operation, args, {})]
     assert answer == (None if operation not in {"load_state", "score"} else f"{operation} done")

@@ -1,42 +1,27 @@
-"""Ray placement of the trainers: one actor per base model, holding that model's weights once for every adapter."""
+"""The trainers of every base model: one per base model (``adapters.trainer.group``: one actor, or N shards), holding
+that model's weights once for every adapter; forward_backward and optim_step batched across runs."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
-import ray
-
-from adapters.actors import ActorUnavailable, call_actor
 from adapters.batching import Coalescer
 from adapters.models.resolve import BaseModelSpec
 from adapters.trainer.actor import ModelFacts, MultiLoRATrainer, StepRequest, StepResult
+from adapters.trainer.group import TrainerGroup
 from adapters.trainer.interface import AdamHyper, DimuonHyper, OptimRequest
+from adapters.trainer.placement import TrainerPlacement
 from shims.errors import UserError
+
+__all__ = ["TrainerPlacement", "TrainerPool"]
 
 log = logging.getLogger("compat_server.trainer")
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class TrainerPlacement:
-    """Ray resources each trainer actor asks for; on a GPU machine a trainer takes one GPU."""
-
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    threads: int | None = None
-    resources: dict[str, float] | None = None
-    max_batch_tokens: int = 131072
-    """Most input tokens one mixed forward_backward batch may hold (several requests join while it stays under)."""
-    max_adapters: int = 64
-    """Most training runs (LoRA adapters) one base model's trainer holds at once."""
-    recompute_tokens: int = 4096
-    """Training batches of at least this many tokens checkpoint each decoder layer (``adapters.trainer.recompute``)."""
 
 
 def _tokens(request: StepRequest | OptimRequest) -> int:
@@ -56,36 +41,45 @@ class TrainerPool:
     def __init__(self, models: list[BaseModelSpec], placement: TrainerPlacement) -> None:
         self.models = {m.name: m for m in models}
         self.placement = placement
-        self.actors: dict[str, ray.actor.ActorHandle] = {}
-        self.facts: dict[str, ModelFacts] = {}
+        self.groups: dict[str, TrainerGroup] = {}
         self.batches: dict[str, Coalescer[StepRequest | OptimRequest, StepResult | dict[str, float]]] = {}
         self.on_restart: Callable[[str], Awaitable[None]] | None = None
         """Called with the base model's name once its trainer came back from a crash, empty."""
-        self._checks: dict[str, asyncio.Task] = {}
         self.batch_counts: dict[str, dict[str, int]] = {}
         """Per base model: batches holding forward / forward_backward requests, those requests, the most one batch
         held, and optim steps (for the metrics)."""
 
+    @property
+    def facts(self) -> dict[str, ModelFacts]:
+        """Each base model's trainer as a whole (a sharded one's rank 0)."""
+        return {name: group.facts[0] for name, group in self.groups.items() if group.facts}
+
     async def start(self) -> None:
-        """Create every actor and wait until each has loaded its base model."""
-        remote_cls = ray.remote(MultiLoRATrainer)
+        """Create every trainer and wait until each has loaded its base model."""
         for name, spec in self.models.items():
-            # A trainer that dies is restarted by Ray (its in-flight calls fail, never re-run); ``on_restart`` then
-            # puts the adapters back.
-            self.actors[name] = remote_cls.options(
-                num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
-                resources=self.placement.resources or None, name=None, max_restarts=-1, max_task_retries=0,
-            ).remote(spec.location, self.placement.threads, self.placement.max_adapters,
-                     self.placement.recompute_tokens)
+            self.groups[name] = TrainerGroup(name, spec.location, self.placement, self._restarted(name))
             self.batches[name] = Coalescer(self._runner(name), self._admit)
             self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0, "optim_steps": 0,
                                        "optim_calls": 0}
-        facts = await asyncio.gather(*(self.actors[n].model_facts.remote() for n in self.models))
-        self.facts = dict(zip(self.models, facts))
-        for name, fact in self.facts.items():
-            log.info("trainer ready: %s (%s, vocab %d, context %d, %s, Ray node %s); LoRA adapts %s", name, fact.arch,
-                     fact.vocab_size, fact.max_context, fact.device, fact.node[:12],
+        await asyncio.gather(*(group.start() for group in self.groups.values()))
+        for name, group in self.groups.items():
+            group.open()
+            fact = group.facts[0]
+            if group.size > 1:
+                held = ", ".join(f"{f.base_bytes / 2**20:.1f} MiB on {f.device} (pid {f.pid}, node {f.node[:12]})"
+                                 for f in group.facts)
+                where = f"{group.size} shards over {fact.backend}, base weights {held}"
+            else:
+                where = f"{fact.device}, Ray node {fact.node[:12]}"
+            log.info("trainer ready: %s (%s, vocab %d, context %d, %s); LoRA adapts %s", name, fact.arch,
+                     fact.vocab_size, fact.max_context, where,
                      "; ".join(f"{group}: {', '.join(names) or 'nothing'}" for group, names in fact.lora_targets.items()))
+
+    def _restarted(self, base_model: str) -> Callable[[], Awaitable[None]]:
+        async def reload() -> None:
+            if self.on_restart is not None:
+                await self.on_restart(base_model)
+        return reload
 
     def _runner(self, base_model: str):
         async def run(requests: list[StepRequest | OptimRequest]) -> list:
@@ -123,46 +117,21 @@ class TrainerPool:
     async def call(self, base_model: str, method: Callable[Concatenate[MultiLoRATrainer, P], R], *args: P.args,
                    **kwargs: P.kwargs) -> R:
         """Run ``method`` (a ``MultiLoRATrainer`` method: ``MultiLoRATrainer.save_state``, not a name, so arguments
-        are type-checked and a renamed method fails where it is named) on the base model's trainer; a ``UserError``
-        raised there is re-raised here as itself. If the trainer died, the call fails as a server error and a
-        restart check starts at once. Callers other than this pool use ``compat_server.jobs.trainer_client``."""
-        try:
-            return await call_actor(self.actors[base_model], method.__name__, f"trainer for {base_model}", *args,
-                                    **kwargs)
-        except ActorUnavailable:
-            self._check_soon(base_model)
-            raise
-
-    def _check_soon(self, base_model: str) -> None:
-        task = self._checks.get(base_model)
-        if task is None or task.done():
-            self._checks[base_model] = asyncio.get_running_loop().create_task(self._check(base_model))
-
-    async def _check(self, base_model: str) -> None:
-        """Ask the trainer who it is (waiting while Ray restarts it); a new process is reported to ``on_restart``."""
-        while True:
-            try:
-                facts = await call_actor(self.actors[base_model], MultiLoRATrainer.model_facts.__name__,
-                                         f"trainer for {base_model}")
-                break
-            except ActorUnavailable:
-                await asyncio.sleep(1.0)
-        if facts.boot == self.facts[base_model].boot:
-            return
-        self.facts[base_model] = facts
-        log.warning("trainer for %s restarted (pid %d); reloading its training runs", base_model, facts.pid)
-        if self.on_restart is not None:
-            await self.on_restart(base_model)
+        are type-checked and a renamed method fails where it is named) on the base model's trainer (every shard of
+        it); a ``UserError`` raised there is re-raised here as itself. If the trainer died, the call fails as a server
+        error and the trainer restarts (``adapters.trainer.group``). Callers other than this pool use
+        ``compat_server.jobs.trainer_client``."""
+        return await self.groups[base_model].call(method.__name__, *args, **kwargs)
 
     async def watch(self, every: float) -> None:
-        """Check every ``every`` seconds that each trainer is still the process it was (Ray restarts a crashed one
-        silently; calls queued meanwhile would otherwise meet an empty trainer)."""
+        """Check every ``every`` seconds that each trainer's processes are all still there (one that died while idle
+        restarts its trainer at once, rather than failing the next request)."""
         while True:
             await asyncio.sleep(every)
-            for name in self.actors:
-                self._check_soon(name)
+            for group in self.groups.values():
+                group.check()
 
     def stop(self) -> None:
-        for actor in self.actors.values():
-            ray.kill(actor)
-        self.actors.clear()
+        for group in self.groups.values():
+            group.stop()
+        self.groups.clear()

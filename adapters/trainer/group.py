@@ -1,0 +1,241 @@
+"""One base model's trainer in the Ray cluster: N actors (``--trainer-shards N``; 1: the whole model in one actor),
+started together, called together and restarted together.
+
+Shards are a ``torch.distributed`` group (``adapters.trainer.shards``): every call goes to every shard, in the same
+order on each (all calls are submitted before any is awaited, and Ray runs one caller's calls to an actor in order),
+and rank 0's outcome is the answer. Shards of one group are placed by one Ray placement group, one bundle each, packed
+on as few nodes as hold them; rank 0 listens for the others on a port of its node.
+
+A group whose shard dies cannot go on: the others wait for it in a collective. So any shard's death (or shards that
+disagree: one fails a call the others ran) kills every shard, and the group starts again, empty; ``on_restart`` then
+reloads its runs from their checkpoints. Calls in flight fail with the error of a crashed trainer; calls made while
+it restarts are refused at once, saying so. A single trainer is restarted the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from adapters.actors import ActorRestarting, ActorUnavailable, await_call
+from adapters.trainer.actor import ModelFacts, MultiLoRATrainer
+from adapters.trainer.placement import TrainerPlacement
+from adapters.trainer.shards import SEE_ALL_GPUS, ShardSpec
+from shims.errors import ConfigurationRefused
+
+log = logging.getLogger("compat_server.trainer")
+
+PLACEMENT_WAIT_SECONDS = 120.0
+"""How long a placement group for the shards may wait for room in the cluster before the start is refused."""
+DISAGREEMENT_WAIT_SECONDS = 60.0
+"""How long the other shards may still run once one shard failed a call: longer, and they wait in a collective for
+the one that gave up, and the group restarts."""
+RESTART_RETRY_SECONDS = 5.0
+
+_reloading = contextvars.ContextVar("reloading", default=False)
+"""Set while ``on_restart`` reloads the runs: its calls go through although the group is not yet open to others."""
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous_address() -> str:
+    """A free TCP port on the node this runs on (rank 0's: it is scheduled into the first shard's bundle)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+class TrainerGroup:
+    """The actors of one base model's trainer; ``TrainerPool`` holds one per base model."""
+
+    def __init__(self, name: str, location: str, placement: TrainerPlacement,
+                 on_restart: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.name = name
+        self.location = location
+        self.placement = placement
+        self.on_restart = on_restart
+        """Called once the group is back after a restart, empty (the pool reloads its runs)."""
+        self.actors: list[ray.actor.ActorHandle] = []
+        self.facts: list[ModelFacts] = []
+        """Every shard's facts, by rank (rank 0's answer for the trainer as a whole)."""
+        self.restarts = 0
+        self._placement_group = None
+        self._open = False
+        self._restarting: asyncio.Task | None = None
+        self._why = ""
+        self._pings: list[asyncio.Task | None] = []
+
+    @property
+    def size(self) -> int:
+        return self.placement.shards
+
+    @property
+    def what(self) -> str:
+        return f"trainer for {self.name}"
+
+    # ---- starting ---------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the shards and wait until every one has loaded its part of the base model."""
+        if self.size > 1 and self._placement_group is None:
+            self._placement_group = await self._place()
+        address = None
+        if self.size > 1:
+            address = await _rendezvous_address.options(scheduling_strategy=self._bundle(0)).remote()
+        remote_cls = ray.remote(MultiLoRATrainer)
+        self.actors = [remote_cls.options(**self._actor_options(rank)).remote(
+            self.location, self.placement.threads, self.placement.max_adapters, self.placement.recompute_tokens,
+            ShardSpec(rank, self.size, address) if address else None) for rank in range(self.size)]
+        self._pings = [None] * self.size
+        self.facts = await self._all(MultiLoRATrainer.model_facts.__name__, (), {})
+
+    def open(self) -> None:
+        """Let calls in (after ``start``, and after a restart once the runs are reloaded)."""
+        self._open = True
+
+    def _actor_options(self, rank: int) -> dict[str, Any]:
+        p = self.placement
+        # Ray restarts nothing itself: a shard cannot rejoin its group alone (``_restart``).
+        options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+        if self.size == 1:
+            return options | {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None}
+        options |= {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None,
+                    "scheduling_strategy": self._bundle(rank)}
+        if p.num_gpus:  # each shard sees its node's GPUs, so that NCCL reaches its peers directly
+            options["runtime_env"] = {"env_vars": {SEE_ALL_GPUS: "1"}}
+        return options
+
+    def _bundle(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self._placement_group, placement_group_bundle_index=rank)
+
+    async def _place(self):
+        """One bundle per shard, packed on as few nodes as hold them; refused, naming what is missing, if the
+        cluster cannot hold them within ``PLACEMENT_WAIT_SECONDS``."""
+        bundle = self.placement.bundle()
+        group = placement_group([bundle] * self.size, strategy="PACK")
+        try:
+            await asyncio.wait_for(group.ready(), PLACEMENT_WAIT_SECONDS)
+        except TimeoutError:
+            remove_placement_group(group)
+            free = {name: ray.available_resources().get(name, 0.0) for name in bundle}
+            raise ConfigurationRefused(
+                f"the Ray cluster cannot place the {self.size} trainer shards of {self.name} (--trainer-shards "
+                f"{self.size}), each needing {bundle}: it has {free} free; add nodes or devices, or lower "
+                "--trainer-shards, --trainer-cpus or --trainer-gpus") from None
+        return group
+
+    # ---- calling ----------------------------------------------------------------------------------------------------
+    async def call(self, method: str, *args, **kwargs):
+        """``method`` on every shard; rank 0's result, or its error. A dead shard, or shards that disagree, restart
+        the group and fail the call as a trainer that crashed."""
+        if not self._open and not _reloading.get():
+            raise ActorRestarting(f"{self.what} is restarting ({self._why}); retry once it is back")
+        return (await self._all(method, args, kwargs))[0]
+
+    async def _all(self, method: str, args: tuple, kwargs: dict) -> list:
+        actors = self.actors
+        refs = [getattr(actor, method).remote(*args, **kwargs) for actor in actors]  # submitted in one go: same order
+        tasks = [asyncio.ensure_future(await_call(ref, self.what, method, cancel=len(refs) == 1)) for ref in refs]
+        for task in tasks:  # a caller that stops waiting leaves the shards' calls to finish, their errors read
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            if len(tasks) == 1:
+                tasks[0].cancel()
+            raise
+        dead = next((rank for rank, t in enumerate(tasks) if t in done and isinstance(t.exception(), ActorUnavailable)),
+                    None)
+        if pending and dead is None:  # one shard failed; the others may be waiting for it in a collective
+            _, pending = await asyncio.wait(pending, timeout=DISAGREEMENT_WAIT_SECONDS)
+        failures = [t.exception() if t.done() else None for t in tasks]
+        if dead is not None:
+            why = f"{self._process(dead)} died"
+        elif pending:
+            failed = next(rank for rank, failure in enumerate(failures) if failure is not None)
+            why = f"{self._process(failed)} failed {method} ({failures[failed]}) while the others went on"
+        elif any(failures) and not all(type(f) is type(failures[0]) for f in failures):
+            why = f"its shards disagreed on {method}: " + "; ".join(
+                f"shard {rank}: {failure or 'done'}" for rank, failure in enumerate(failures))
+        else:
+            if failures[0] is not None:
+                raise failures[0]
+            return [t.result() for t in tasks]
+        self._fault(why, actors)
+        raise ActorUnavailable(f"{self.what} is not available: {why}; it restarts, and its training runs come back "
+                               "from their last checkpoints")
+
+    def _process(self, rank: int) -> str:
+        """How a log line names the process of shard ``rank``."""
+        pid = f"pid {self.facts[rank].pid}" if rank < len(self.facts) else "starting"
+        return f"its process ({pid})" if self.size == 1 else f"its shard {rank} of {self.size} ({pid})"
+
+    # ---- faults -----------------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Ask every shard who it is, one question at a time each, so that a shard that died while the group was
+        idle restarts the group now rather than at its next call."""
+        if not self._open:
+            return
+        for rank, actor in enumerate(self.actors):
+            if self._pings[rank] is None or self._pings[rank].done():
+                self._pings[rank] = asyncio.ensure_future(self._ping(rank, actor))
+
+    async def _ping(self, rank: int, actor) -> None:
+        actors = self.actors
+        try:
+            facts = await await_call(actor.model_facts.remote(), self.what, "model_facts", cancel=False)
+        except ActorUnavailable:
+            self._fault(f"{self._process(rank)} died", actors)
+            return
+        if actors is self.actors:
+            self.facts[rank] = facts  # what it holds now
+
+    def _fault(self, why: str, actors: list) -> None:
+        """The group ``actors`` cannot go on: kill every shard and start again (once, however many calls saw it)."""
+        if actors is not self.actors or (self._restarting is not None and not self._restarting.done()):
+            return
+        self._open, self._why = False, why
+        log.warning("%s: %s; restarting it", self.what, why, extra={"event": "trainer_failed"})
+        self._restarting = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        while True:
+            try:
+                await self.start()
+                break
+            except Exception as exc:  # noqa: BLE001 - keep trying: the cluster may need time to free the devices
+                log.warning("%s could not restart (%s); trying again in %.0f s", self.what, exc,
+                            RESTART_RETRY_SECONDS)
+                for actor in self.actors:
+                    ray.kill(actor, no_restart=True)
+                await asyncio.sleep(RESTART_RETRY_SECONDS)
+        self.restarts += 1
+        log.warning("%s restarted (pid %s); reloading its training runs", self.what,
+                    ", ".join(str(f.pid) for f in self.facts))
+        if self.on_restart is not None:
+            _reloading.set(True)  # this task's context only: the reload's own calls
+            try:
+                await self.on_restart()
+            except Exception:  # noqa: BLE001 - runs that did not come back are marked so by the reload itself
+                log.exception("%s: reloading its training runs failed", self.what)
+        self.open()
+
+    def stop(self) -> None:
+        for task in [self._restarting, *self._pings]:
+            if task is not None:
+                task.cancel()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._placement_group is not None:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None

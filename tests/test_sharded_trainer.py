@@ -1,0 +1,243 @@
+"""A trainer split over two processes (``--trainer-shards 2``, gloo on CPU) through the real server and SDK: it trains
+as the single trainer of the shared server does, each shard holds half the base model, a checkpoint crosses shard
+counts both ways, and a shard that dies takes its group down and the runs come back from their checkpoints."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+import tinker
+from safetensors import safe_open
+from tinker import types
+
+from shims.losses import LOSSES
+from tests.conftest import SERVER_ARGS
+from tests.helpers import ADAM, BASE_MODEL, checkpoint_dir, forward_logprobs, make_datum, train
+from tests.server import RunningServer, start_server
+
+KEY = "tml-test-shards"
+PROMPT = [11, 42, 77, 103, 250]
+RUNS = ((4, 1), (8, 2), (2, 3))
+"""(rank, seed) of the runs trained side by side: adapters of different ranks in one batch."""
+ORDER = sorted(LOSSES)
+"""Every built-in loss, one per run and step in turn: ``stable_reinforce`` (last) falls on run 0."""
+STEPS = -(-len(ORDER) // len(RUNS))
+
+
+def margin(logprobs, weights):
+    """A custom loss (uploaded and run in the trainer): weighted NLL plus a penalty on its spread, with a metric."""
+    return -(logprobs * weights).sum() + 0.1 * (logprobs * weights).var(), {"custom/mean_lp:mean": logprobs.mean()}
+
+
+class Cluster:
+    """The sharded server of this module, restarted by the tests that need another shard count."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.server: RunningServer | None = None
+
+    def start(self, shards: int) -> RunningServer:
+        self.stop()
+        self.server = start_server(self.data_dir, *SERVER_ARGS, "--trainer-shards", str(shards), timeout=300)
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture(scope="module")
+def cluster(model_cache, tmp_path_factory):
+    running = Cluster(tmp_path_factory.mktemp("sharded-data"))
+    running.start(2)
+    yield running
+    running.stop()
+
+
+def training_metrics(server: RunningServer) -> dict:
+    return httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin, timeout=30).json()["training"][
+        BASE_MODEL]
+
+
+def rl_datum(rng: np.random.Generator, loss_fn: str, sequence=None) -> types.Datum:
+    """A datum for ``loss_fn``: random tokens and inputs, or (``stable_reinforce``) the cookbook's layout of a
+    sampled ``sequence``, its provenance pointing at the sampler's records."""
+    if sequence is not None:
+        tokens, n = PROMPT + sequence.tokens, len(PROMPT)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": np.array([0] * (n - 1) + sequence.tokens, np.int64),
+            "logprobs": np.array([0.0] * (n - 1) + sequence.logprobs, np.float32),
+            "advantages": np.array([0.0] * (n - 1) + [0.5] * len(sequence.tokens), np.float32)})
+        sid = sequence.sequence_id
+        return datum.with_provenance(
+            model_input=[types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=n),
+                         types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=len(sequence.tokens) - 1)],
+            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n - 1),
+                            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=len(sequence.tokens))])
+    n = int(rng.integers(4, 60))
+    tokens = rng.integers(0, 500, size=n + 1)
+    inputs = {"target_tokens": tokens[1:].astype(np.int64)}
+    if loss_fn == "cross_entropy":
+        inputs["weights"] = rng.uniform(0, 1, size=n).astype(np.float32)
+    else:
+        inputs |= {"logprobs": (-rng.exponential(size=n) - 5).astype(np.float32),
+                   "advantages": rng.normal(size=n).astype(np.float32)}
+        if loss_fn == "gspo":
+            inputs["sequence_ratio_mask"] = (rng.uniform(size=n) < 0.8).astype(np.float32)
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()), loss_fn_inputs=inputs)
+
+
+def scenario(server: RunningServer) -> dict:
+    """The same training on ``server``: three runs of ranks 4, 8 and 2 whose forward_backward calls reach the
+    trainer together (mixed batches), every built-in loss in turn, a custom loss beside them, an optim step each after
+    every round; what the server reports, and the weights each run ends with."""
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+    runs = [service.create_lora_training_client(base_model=BASE_MODEL, rank=rank, seed=seed).result()
+            for rank, seed in RUNS]
+    custom_run = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=4).result()
+    custom = service.create_custom_loss(margin, {"logprobs": 1, "weights": 1}).result()
+    # stable_reinforce reads what the sampler recorded: a rollout of the fresh run 0 (the same on both servers).
+    sampler = runs[0].save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sequence = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(
+        max_tokens=6, temperature=1.0, seed=11, stop=[])).result().sequences[0]
+    rng = np.random.default_rng(7)
+    report: dict[str, list] = {"loss": [], "logprobs": [], "grad_norm": [], "custom": []}
+    for step in range(STEPS):
+        calls = []
+        for i, run in enumerate(runs):
+            loss_fn = ORDER[(step * len(runs) + i) % len(ORDER)]
+            data = ([rl_datum(rng, loss_fn, sequence)] if loss_fn == "stable_reinforce" else
+                    [rl_datum(rng, loss_fn) for _ in range(int(rng.integers(1, 4)))])
+            calls.append(run.forward_backward(data, loss_fn))
+        custom_data = [rl_datum(rng, "cross_entropy") for _ in range(3)]
+        calls.append(custom_run.forward_backward_custom(custom_data, custom))
+        results = [call.result() for call in calls]
+        report["loss"] += [r.metrics["loss:sum"] for r in results]
+        report["custom"].append(results[-1].metrics["custom/mean_lp:mean"])
+        report["logprobs"] += [o["logprobs"].to_numpy() for r in results for o in r.loss_fn_outputs]
+        steps = [run.optim_step(ADAM) for run in [*runs, custom_run]]
+        report["grad_norm"] += [s.result().metrics["grad_norm"] for s in steps]
+    report["weights"] = []
+    for i, run in enumerate([*runs, custom_run]):
+        path = run.save_weights_for_sampler(f"final-{i}").result().path
+        with safe_open(str(checkpoint_dir(server.data_dir, path) / "adapter_model.safetensors"), "np") as f:
+            report["weights"].append({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open has no iter
+    service.close("success")
+    return report
+
+
+def test_every_loss_in_mixed_batches_trains_as_the_single_trainer_does(server, cluster):
+    """Built-in losses, a custom one, adapters of ranks 2 to 8 in shared batches, optim steps of four runs: on two
+    shards, the losses, metrics, logprobs, gradient norms and final weights equal the single trainer's (fp32)."""
+    sharded = cluster.server
+    before = training_metrics(sharded)
+    single, split = scenario(server), scenario(sharded)
+    after = training_metrics(sharded)
+    assert after["requests"] - before["requests"] > after["batches"] - before["batches"], "no batch was shared"
+    np.testing.assert_allclose(split["loss"], single["loss"], rtol=1e-5)
+    np.testing.assert_allclose(split["custom"], single["custom"], rtol=1e-5)
+    np.testing.assert_allclose(split["grad_norm"], single["grad_norm"], rtol=1e-5)
+    for a, b in zip(split["logprobs"], single["logprobs"], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for a, b in zip(split["weights"], single["weights"], strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_allclose(a[key], b[key], atol=1e-5, err_msg=key)
+    assert min(split["grad_norm"]) > 0
+
+
+def test_each_shard_holds_half_of_the_base_weights(cluster, tiny_model_dir):
+    """Each shard's resident base weights (the memory its weights' storages hold, read inside the shard) are half of
+    the checkpoint's tensors (read here from the file), between passes as at start; together, the whole."""
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "np") as f:
+        whole = sum(f.get_tensor(k).nbytes for k in f.keys())  # noqa: SIM118 - safe_open has no iterator
+    client = tinker.ServiceClient(base_url=cluster.server.base_url, api_key=KEY).create_lora_training_client(
+        base_model=BASE_MODEL, rank=4)
+    train(client, make_datum([1, 2, 3], [4, 5]), 1)
+    time.sleep(3)  # the pool asks the shards what they hold every 2 s
+    shards = training_metrics(cluster.server)["shards"]
+    assert [s["rank"] for s in shards] == [0, 1] and len({s["pid"] for s in shards}) == 2
+    for shard in shards:
+        assert 0.45 * whole < shard["base_bytes"] < 0.55 * whole, (shard, whole)
+    assert sum(s["base_bytes"] for s in shards) == pytest.approx(whole, rel=0.02)
+
+
+def test_a_dead_shard_takes_its_group_down_and_the_runs_come_back(cluster):
+    """kill -9 one shard while a request runs: that request fails as a crashed trainer's do, the other shard is
+    killed too (no orphan), the group starts again, and a saved run is reloaded from its checkpoint (a run that never
+    saved is marked unloaded); the run then trains on."""
+    server = cluster.server
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+    saved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
+    busy = service.create_lora_training_client(base_model=BASE_MODEL, rank=2, seed=2).result()
+    datum = make_datum([11, 42, 77, 103], [250, 3, 99])
+    train(saved, datum, 2)
+    saved.save_state("last-good").result()
+    at_checkpoint = forward_logprobs(saved, datum)
+    train(saved, datum, 1)
+    old = training_metrics(server)["shards"]
+
+    rng = np.random.default_rng(0)
+    long = [make_datum(rng.integers(0, 400, 1000).tolist(), rng.integers(0, 400, 999).tolist()) for _ in range(12)]
+    in_flight = busy.forward_backward(long, "cross_entropy")
+    time.sleep(1.5)
+    psutil.Process(old[1]["pid"]).kill()
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        in_flight.result()
+    assert failed.value.category == types.RequestErrorCategory.Server
+    assert (f"trainer for {BASE_MODEL} is not available: its shard 1 of 2 (pid {old[1]['pid']}) died; it restarts, "
+            "and its training runs come back from their last checkpoints") in str(failed.value)
+
+    deadline = time.monotonic() + 180
+    while "reloaded from" not in server.log() or "lost in the trainer restart" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.5)
+    assert not any(psutil.pid_exists(s["pid"]) for s in old), "a shard of the old group is still running"
+    new = training_metrics(server)
+    assert new["restarts"] == 1 and {s["pid"] for s in new["shards"]}.isdisjoint(s["pid"] for s in old)
+    with pytest.raises(tinker.RequestFailedError, match="rolled back to its checkpoint"):
+        forward_logprobs(saved, datum)
+    np.testing.assert_allclose(forward_logprobs(saved, datum), at_checkpoint, atol=1e-6)
+    train(saved, datum, 1)
+    with pytest.raises(tinker.RequestFailedError, match="trainer restarted"):
+        busy.forward_backward([datum], "cross_entropy").result()
+    service.close("success")
+
+
+def test_a_checkpoint_crosses_shard_counts_both_ways(cluster):
+    """Saved on two shards, resumed on one (the same data directory, the server restarted): the logprobs at the
+    checkpoint and the next step equal the two-shard run's own; saved on one, resumed on two the same way."""
+    datum = make_datum([5, 6, 7, 8, 9], [10, 11, 12])
+
+    def resume(server: RunningServer, path: str) -> tuple[np.ndarray, float, str]:
+        """Load ``path`` with its optimizer on ``server``: logprobs there, the loss of one more step, and a new
+        checkpoint after it."""
+        client = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+        run = client.create_training_client_from_state_with_optimizer(path).result()
+        logprobs = forward_logprobs(run, datum)
+        loss = train(run, datum, 1)[0]
+        return logprobs, loss, run.save_state("next").result().path
+
+    client = tinker.ServiceClient(base_url=cluster.server.base_url, api_key=KEY)
+    run = client.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=9).result()
+    train(run, datum, 2)
+    two_shards = run.save_state("on-two").result().path
+    on_two = resume(cluster.server, two_shards)
+
+    on_one = resume(cluster.start(1), two_shards)
+    assert len(training_metrics(cluster.server)["shards"]) == 1
+    np.testing.assert_allclose(on_one[0], on_two[0], atol=1e-6)
+    assert on_one[1] == pytest.approx(on_two[1], rel=1e-6)
+    one_shard_next = forward_logprobs(
+        tinker.ServiceClient(base_url=cluster.server.base_url, api_key=KEY).create_training_client_from_state(
+            on_one[2]).result(), datum)
+
+    back_on_two = resume(cluster.start(2), on_one[2])
+    assert len(training_metrics(cluster.server)["shards"]) == 2
+    np.testing.assert_allclose(back_on_two[0], one_shard_next, atol=1e-6)
