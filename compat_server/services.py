@@ -141,7 +141,7 @@ async def start_services(config: ServerConfig) -> Services:
             max_lora_rank=config.max_lora_rank, max_loras=config.vllm_max_loras,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization or (
                 round(0.85 * min(sampler_gpus, 1.0), 2) if sampler_gpus > 0 else None),
-            kv_cache_gb=config.vllm_kv_cache_gb)))
+            kv_cache_gb=config.vllm_kv_cache_gb, tensor_parallel_size=config.sampler_tensor_parallel_size)))
     if backend == "vllm" and sampler_gpus > 0 and trainer_gpus > 0:
         # vLLM checks at start that the share of the GPU it is given is free; a trainer that loaded first on the
         # same GPU would make that check fail, so the samplers take their share first.
@@ -200,11 +200,13 @@ async def _sweep_expired(services: Services) -> None:
 
 def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:
     """Ray GPUs for each trainer and each sampler replica. Unset, they follow the cluster: none without GPUs; a whole
-    GPU each when there are enough; on a single GPU the trainers take half and the samplers share the other half."""
+    GPU each (a sampler replica one per tensor-parallel worker) when there are enough; on a single GPU the trainers
+    take half and the samplers share the other half. Tensor-parallel replicas hold whole GPUs or none."""
     gpus = ray.cluster_resources().get("GPU", 0)
     replicas = config.samplers * num_models
-    if gpus >= num_models + replicas:
-        default_trainer, default_sampler = 1.0, 1.0
+    workers = config.sampler_tensor_parallel_size
+    if gpus >= num_models + replicas * workers or (gpus >= 1 and workers > 1):
+        default_trainer, default_sampler = 1.0, float(workers)
     elif gpus >= 1:
         default_trainer, default_sampler = 0.5 / num_models, 0.5 / replicas
     else:
