@@ -24,6 +24,7 @@ from compat_server.account.service import AccountService, SessionLimits
 from compat_server.completions.service import CompletionsService
 from compat_server.completions.workers import TokenWorkers
 from compat_server.config import ServerConfig
+from compat_server.devices import gpu_refusal, node_gpus
 from compat_server.jobs.futures import FutureHub
 from compat_server.jobs.scheduler import Scheduler
 from compat_server.records import SCHEMA_VERSION, Records
@@ -125,6 +126,9 @@ async def start_services(config: ServerConfig) -> Services:
                     "loaded (reload them from a checkpoint)", failed, unloaded)
     _start_ray(config)
     trainer_gpus, sampler_gpus = _gpu_shares(config, len(base_models))
+    if missing := gpu_refusal(node_gpus(), len(base_models), trainer_gpus, len(base_models) * config.samplers,
+                              sampler_gpus, config.sampler_tensor_parallel_size):
+        raise ConfigurationRefused(missing)
     trainers = TrainerPool(list(base_models.values()), TrainerPlacement(
         num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads,
         resources=config.trainer_resources or None,
@@ -201,7 +205,8 @@ async def _sweep_expired(services: Services) -> None:
 def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:
     """Ray GPUs for each trainer and each sampler replica. Unset, they follow the cluster: none without GPUs; a whole
     GPU each (a sampler replica one per tensor-parallel worker) when there are enough; on a single GPU the trainers
-    take half and the samplers share the other half. Tensor-parallel replicas hold whole GPUs or none."""
+    take half and the samplers share the other half. Tensor-parallel replicas hold whole GPUs or none: where the
+    cluster has too few, ``gpu_refusal`` says what is missing."""
     gpus = ray.cluster_resources().get("GPU", 0)
     replicas = config.samplers * num_models
     workers = config.sampler_tensor_parallel_size
