@@ -13,14 +13,16 @@ never spans nodes (tensor parallelism across a network is slow anyway), and repl
 places their actors. vLLM's CPU build uses the multiprocessing executor even at N = 1.
 
 **On CPU** each worker runs its OpenMP threads bound to a group of cores named by ``VLLM_CPU_OMP_THREADS_BIND``
-(groups separated by ``|``, e.g. ``0-7|8-15``; vLLM sets each worker's ``OMP_PLACES`` from its group). Unset, vLLM
-binds worker i to the i-th NUMA node the process may use and refuses with fewer nodes than workers ("Not enough
-allowed NUMA nodes to bind threads of 2 local CPUWorkers"), which is every single-socket machine. So where there are
-fewer NUMA nodes than workers and the operator set no binding, the replica splits the CPUs it may run on
-(``os.sched_getaffinity``) into N contiguous groups (``omp_threads_bind``). Ray reserves logical CPUs and pins
-nothing: replicas on one machine bind the same cores, as vLLM's own binding does at N = 1. The KV cache
-(``kv_cache_memory_bytes``, and vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE``, which overrides it) is per worker, each
-holding its share of the KV heads, so ``--vllm-kv-cache-gb`` (per engine) is divided among the workers.
+(groups separated by ``|``, e.g. ``0-7|8-15``; vLLM sets each worker's OpenMP affinity, ``OMP_PLACES``, from its
+group). Unset, vLLM binds worker i to the i-th NUMA node the process may use and refuses with fewer nodes than workers
+("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), which is every single-socket machine. So
+where there are fewer NUMA nodes than workers and the operator set no binding, the replica splits the CPUs it may run
+on (``os.sched_getaffinity``) into N contiguous groups (``omp_threads_bind``); with fewer CPUs than workers it refuses
+to start, naming the variable (vLLM also runs workers that share a core, ``0|0``, measured; such oversubscription is
+for the operator to choose). Ray reserves logical CPUs and pins nothing: replicas on one machine bind the same cores,
+as vLLM's own binding does at N = 1. The KV cache (``kv_cache_memory_bytes``, and vLLM's legacy
+``VLLM_CPU_KVCACHE_SPACE``, which overrides it) is per worker, each holding its share of the KV heads, so
+``--vllm-kv-cache-gb`` (per engine) is divided among the workers.
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ def cpu_threads_bind(workers: int, cpus: Iterable[int], numa_nodes: int, environ
     if len(cpus) < workers:
         raise CannotBind(f"{OPTION} {workers} on CPU gives each of its {workers} vLLM workers its own cores, but this "
                          f"sampler replica may run on {len(cpus)} CPU{'s' * (len(cpus) != 1)} "
-                         f"({_ranges(cpus)}); lower {OPTION}, or set {THREADS_BIND} (one group of CPU ids per worker, "
-                         "separated by |) in the environment of the Ray nodes")
+                         f"({_ranges(cpus)}); lower {OPTION}, or set {THREADS_BIND} yourself in the environment of "
+                         "the server or the Ray nodes (one group of CPU ids per worker, separated by |; groups may "
+                         "share CPUs, e.g. 0|0, at the cost of speed)")
     return omp_threads_bind(cpus, workers)
 
 
