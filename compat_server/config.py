@@ -13,6 +13,7 @@ from pathlib import Path
 from adapters.models.resolve import SAMPLER_DTYPES
 from adapters.models.tiny import TINY_MODEL_NAME
 from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
+from adapters.samplers.vllm.parallel import gpus_per_replica_problem
 from compat_server.option import ABOVE_ZERO, OPTION, Check, at_least, option, option_flag
 from shims.custom_loss.limits import CustomLossLimits
 
@@ -95,8 +96,12 @@ class ServerConfig:
     sampler_cpus: float = option(1.0, "Ray CPUs reserved by each sampler replica (default: %(default)s)",
                                  check=at_least(0))
     sampler_gpus: float | None = option(
-        None, "Ray GPUs reserved by each sampler replica (default: 1 each when the cluster has enough GPUs, a share of "
-              "one GPU on a single-GPU machine, else 0)")
+        None, "Ray GPUs reserved by each sampler replica (default: 1 each, or --sampler-tensor-parallel-size, when "
+              "the cluster has enough GPUs, a share of one GPU on a single-GPU machine, else 0)")
+    sampler_tensor_parallel_size: int = option(
+        1, check=at_least(1),
+        help="GPUs (on CPU: groups of cores) each vLLM sampler replica splits its model over, with vLLM's tensor "
+             "parallelism; the replica's actor reserves that many GPUs, all on one node (default: %(default)s)")
     sampler_threads: int | None = option(
         None, "torch threads in each transformers sampler on CPU (default: torch's choice)")
     sampler_batch: int = option(
@@ -126,8 +131,8 @@ class ServerConfig:
         help="fraction of its GPU each vLLM engine may take (default: 0.85 × its GPU share); not used on CPU")
     vllm_kv_cache_gb: float | None = option(
         None, check=ABOVE_ZERO,
-        help=f"KV cache of each vLLM engine in GiB (default: on a GPU, what --vllm-gpu-memory-utilization leaves; on "
-             f"CPU, {CPU_KV_CACHE_GB:g})")
+        help=f"KV cache of each vLLM engine in GiB, shared by its tensor-parallel workers (default: on a GPU, what "
+             f"--vllm-gpu-memory-utilization leaves; on CPU, {CPU_KV_CACHE_GB:g})")
 
     # What one sampling request may ask for.
     max_num_samples: int = option(
@@ -272,6 +277,8 @@ class ServerConfig:
         """Refuse option values the server could not run with, naming the option."""
         problems = [f"{option_flag(f)} {must}" for f in fields(self)
                     if (must := f.metadata[OPTION].refuses(getattr(self, f.name)))]
+        if tensor_parallel := gpus_per_replica_problem(self.sampler_tensor_parallel_size, self.sampler_gpus):
+            problems.append(tensor_parallel)
         if self.auth == "open" and not (self.loopback or self.allow_open_auth):
             problems.append(f"--auth open on {self.host} would let anyone with network access in with any tml- key; "
                             "use --auth keys (and compat-server keys create), or add --allow-open-auth if that is "

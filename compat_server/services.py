@@ -24,6 +24,7 @@ from compat_server.account.service import AccountService, SessionLimits
 from compat_server.completions.service import CompletionsService
 from compat_server.completions.workers import TokenWorkers
 from compat_server.config import ServerConfig
+from compat_server.devices import GpuAsk, gpu_refusal, gpu_shares, node_gpus
 from compat_server.jobs.futures import FutureHub
 from compat_server.jobs.scheduler import Scheduler
 from compat_server.records import SCHEMA_VERSION, Records
@@ -125,7 +126,12 @@ async def start_services(config: ServerConfig) -> Services:
         log.warning("the previous server process stopped with %d requests in flight (now failed) and %d models "
                     "loaded (reload them from a checkpoint)", failed, unloaded)
     _start_ray(config)
-    trainer_gpus, sampler_gpus = _gpu_shares(config, len(base_models))
+    ask = GpuAsk(models=len(base_models), trainer_shards=config.trainer_shards, samplers=config.samplers,
+                 tensor_parallel_size=config.sampler_tensor_parallel_size, trainer_gpus=config.trainer_gpus,
+                 sampler_gpus=config.sampler_gpus)
+    trainer_gpus, sampler_gpus = gpu_shares(ray.cluster_resources().get("GPU", 0), ask)
+    if missing := gpu_refusal(node_gpus(), ask, trainer_gpus, sampler_gpus):
+        raise ConfigurationRefused(missing)
     trainers = TrainerPool(list(base_models.values()), TrainerPlacement(
         num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads,
         resources=config.trainer_resources or None,
@@ -142,7 +148,7 @@ async def start_services(config: ServerConfig) -> Services:
             max_lora_rank=config.max_lora_rank, max_loras=config.vllm_max_loras,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization or (
                 round(0.85 * min(sampler_gpus, 1.0), 2) if sampler_gpus > 0 else None),
-            kv_cache_gb=config.vllm_kv_cache_gb)))
+            kv_cache_gb=config.vllm_kv_cache_gb, tensor_parallel_size=config.sampler_tensor_parallel_size)))
     if backend == "vllm" and sampler_gpus > 0 and trainer_gpus > 0:
         # vLLM checks at start that the share of the GPU it is given is free; a trainer that loaded first on the
         # same GPU would make that check fail, so the samplers take their share first.
@@ -197,42 +203,3 @@ async def _sweep_expired(services: Services) -> None:
         except Exception:  # a failed sweep is retried next time; it must not end the loop
             log.exception("expiry sweep failed")
         await asyncio.sleep(config.expiry_sweep_seconds)
-
-
-def _gpu_shares(config: ServerConfig, num_models: int) -> tuple[float, float]:
-    """Ray GPUs for each trainer (each shard of one) and each sampler replica. Unset, they follow the cluster: none
-    without GPUs; a whole GPU each when there are enough; on a single GPU an unsharded trainer takes half and the
-    samplers share the other half. A cluster without the GPUs they then need is refused, naming what is missing."""
-    gpus = ray.cluster_resources().get("GPU", 0)
-    shards = num_models * config.trainer_shards
-    replicas = config.samplers * num_models
-    if gpus >= shards + replicas:
-        default_trainer, default_sampler = 1.0, 1.0
-    elif gpus >= 1 and config.trainer_shards == 1:
-        default_trainer, default_sampler = 0.5 / num_models, 0.5 / replicas
-    elif gpus > shards:  # sharded trainers take a GPU each; the samplers share the rest
-        default_trainer, default_sampler = 1.0, min(1.0, (gpus - shards) / replicas)
-    elif gpus >= 1 and config.sampler_gpus is None:
-        raise ConfigurationRefused(
-            f"--trainer-shards {config.trainer_shards} puts each trainer shard on a GPU of its own: {num_models} base "
-            f"model(s) need {shards} GPUs for their shards and more for the samplers, but the Ray cluster has "
-            f"{gpus:g}; add GPUs, lower --trainer-shards, or give the samplers none (--sampler-gpus 0)")
-    elif gpus >= 1:
-        default_trainer, default_sampler = 1.0, 0.0
-    else:
-        default_trainer, default_sampler = 0.0, 0.0
-    trainer = config.trainer_gpus if config.trainer_gpus is not None else default_trainer
-    sampler = config.sampler_gpus if config.sampler_gpus is not None else default_sampler
-    if config.trainer_shards > 1 and 0 < trainer != int(trainer):
-        raise ConfigurationRefused(
-            f"--trainer-shards {config.trainer_shards} puts each shard on GPUs of its own (NCCL cannot run two shards "
-            f"on one GPU), but each shard would get {trainer:g} of a GPU; set --trainer-gpus to a whole number, or "
-            "--trainer-gpus 0 to shard on CPUs")
-    needed = shards * trainer + replicas * sampler
-    if needed > gpus + 1e-9:
-        raise ConfigurationRefused(
-            f"the trainers and samplers need {needed:g} GPUs ({num_models} base model(s) × --trainer-shards "
-            f"{config.trainer_shards} × {trainer:g} GPU, and {replicas} sampler replica(s) × {sampler:g} GPU) but the "
-            f"Ray cluster has {gpus:g}; add GPUs, or lower --trainer-shards, --samplers, --trainer-gpus or "
-            "--sampler-gpus")
-    return trainer, sampler

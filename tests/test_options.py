@@ -141,6 +141,7 @@ BAD = {  # a value each checked option refuses
     "--session-timeout": "0", "--download-url-ttl": "0", "--token-ttl": "119", "--max-lora-rank": "100",
     "--sampler-dtype": "fp8", "--max-model-len": "1", "--vllm-max-loras": "0", "--vllm-kv-cache-gb": "0",
     "--vllm-gpu-memory-utilization": "1.5", "--trainer-cpus": "-1", "--sampler-cpus": "-1",
+    "--sampler-tensor-parallel-size": "0",
     "--poll-hold-seconds": "-1", "--seq-gap-timeout": "0", "--max-body-mb": "0", "--auth": "none",
     "--sampler-backend": "tgi", "--log-level": "LOUD", "--log-format": "xml",
 }

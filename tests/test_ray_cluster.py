@@ -110,3 +110,15 @@ def test_a_cluster_without_the_asked_resources_is_refused_at_start(cluster, mode
     with pytest.raises(RuntimeError, match="lacks the custom resources"):
         start_server(tmp_path / "data", "--ray-address", address, "--trainer-resource", "gpu_box=1", env=env,
                      timeout=120)
+
+
+def test_a_cluster_without_the_gpus_the_samplers_ask_for_is_refused_at_start(cluster, model_cache, tmp_path):
+    """Tensor-parallel vLLM samplers on a cluster with no GPU: the server says in one line what is missing, before
+    any actor would wait for GPUs forever."""
+    address, env = cluster
+    with pytest.raises(RuntimeError, match="server exited") as failed:
+        start_server(tmp_path / "data", "--ray-address", address, "--sampler-backend", "vllm",
+                     "--sampler-tensor-parallel-size", "2", "--sampler-gpus", "2", env=env, timeout=120, attempts=1)
+    line = next(line for line in str(failed.value).splitlines() if "cannot start" in line)
+    assert "the Ray cluster has 0 GPUs, but 1 sampler replica × 2 GPUs (--sampler-tensor-parallel-size 2)" in line
+    assert "2 GPUs missing" in line and "Traceback" not in str(failed.value)

@@ -46,6 +46,8 @@ class SamplerFacts:
     max_resident: int
     dtype: str = ""
     """What the base model is held in (float32, bfloat16, ...)."""
+    tensor_parallel_size: int = 1
+    """Workers the model is split over (``--sampler-tensor-parallel-size``; vLLM only)."""
 
 
 class SamplerBackend(Protocol):

@@ -1,4 +1,5 @@
-"""Ray placement of the samplers: ``count`` replicas per base model, each an actor holding the model once.
+"""Ray placement of the samplers: ``count`` replicas per base model, each an actor holding the model once (a vLLM
+replica over ``vllm.tensor_parallel_size`` workers, its child processes, on the GPUs its actor reserves).
 
 Routing prefers the replica that last served an adapter (it most likely still holds it, so nothing reloads), unless
 that replica is much busier than the least busy one; otherwise the least busy replica takes the request.
@@ -19,6 +20,7 @@ from adapters.logs import configure_logging
 from adapters.models.resolve import BaseModelSpec
 from adapters.samplers.interface import AdapterRef, Restarting, SamplerBackend, SamplerFacts
 from adapters.samplers.vllm.options import VLLMOptions
+from adapters.samplers.vllm.parallel import backend_refusal
 from adapters.samplers.vllm.support import has_routed_experts, vllm_lora_refusal
 from shims.errors import ConfigurationRefused
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
@@ -72,8 +74,9 @@ class SamplerActor:
             raise Restarting(f"its backend stopped ({self.impl.dead})")
 
     def stats(self) -> dict:
-        return {**self.impl.stats(), "resident_limit": self.impl.facts().max_resident, "node": ray_node(),
-                "pid": os.getpid()}
+        facts = self.impl.facts()
+        return {**self.impl.stats(), "resident_limit": facts.max_resident,
+                "tensor_parallel_size": facts.tensor_parallel_size, "node": ray_node(), "pid": os.getpid()}
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         return await self.impl.sample(adapter, job)
@@ -151,6 +154,8 @@ class SamplerPool:
         self.facts: dict[str, SamplerFacts] = {}
         self._configs: dict[str, dict] = {}
         """``config.json`` of each base model, where its samplers are vLLM (``adapter_refusal``)."""
+        if refusal := backend_refusal(placement.backend, placement.vllm.tensor_parallel_size):
+            raise ConfigurationRefused(refusal)  # before any actor (or trainer) is started
 
     async def start(self) -> None:
         """Create every replica and wait until each has loaded its base model."""
@@ -168,8 +173,11 @@ class SamplerPool:
             facts = await asyncio.gather(*(call_actor(r.actor, "facts", f"sampler for {name}")
                                            for r in base.replicas))
             self.facts[name] = facts[0]
-            log.info("samplers ready: %s × %d (%s on %s, up to %d adapters resident each)", name, len(facts),
-                     facts[0].backend, facts[0].device, facts[0].max_resident)
+            parallel = f", tensor parallel {facts[0].tensor_parallel_size}" * (facts[0].tensor_parallel_size > 1)
+            log.info("samplers ready: %s × %d (%s on %s%s, up to %d adapters resident each)", name, len(facts),
+                     facts[0].backend, facts[0].device, parallel, facts[0].max_resident,
+                     extra={"event": "samplers_ready", "base_model": name, "replicas": len(facts),
+                            "backend": facts[0].backend, "tensor_parallel_size": facts[0].tensor_parallel_size})
             if facts[0].backend == "vllm":
                 from transformers import AutoConfig
 

@@ -137,7 +137,8 @@ class SamplingService:
         pool = await self.samplers.stats() if owner is None else {}
         out = {}
         for name in self.base_models:
-            described = {"backend": facts[name].backend, "device": facts[name].device, "dtype": facts[name].dtype}
+            described = {"backend": facts[name].backend, "device": facts[name].device, "dtype": facts[name].dtype,
+                         "tensor_parallel_size": facts[name].tensor_parallel_size}
             if owner is None:
                 out[name] = {**self.meter.server[name].as_dict(), **described, "replicas": pool[name]}
             else:

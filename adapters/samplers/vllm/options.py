@@ -24,4 +24,7 @@ class VLLMOptions:
     gpu_memory_utilization: float | None = None
     """Fraction of the GPU the engine may take (unset: vLLM's default). Unused on CPU."""
     kv_cache_gb: float | None = None
-    """KV cache size; unset: from ``gpu_memory_utilization`` on a GPU, ``CPU_KV_CACHE_GB`` on CPU."""
+    """KV cache size of the engine (all its workers together); unset: from ``gpu_memory_utilization`` on a GPU,
+    ``CPU_KV_CACHE_GB`` on CPU."""
+    tensor_parallel_size: int = 1
+    """Workers the engine splits the model over (vLLM's tensor parallelism; ``adapters.samplers.vllm.parallel``)."""

@@ -8,7 +8,9 @@ logprobs (before temperature and filtering), the numbers the trainer's ``forward
 an output constraint too (``adapters.samplers.vllm.patches`` keeps them from being computed on the grammar-masked
 logits).
 
-vLLM runs with its V1 model runner and the corrections of ``adapters.samplers.vllm.patches`` (see there why).
+vLLM runs with its V1 model runner and the corrections of ``adapters.samplers.vllm.patches`` (see there why), in
+each of the engine's workers: ``options.tensor_parallel_size`` of them, the sampler's child processes
+(``adapters.samplers.vllm.parallel`` says why so, and how they are bound to CPU cores on CPU).
 If the engine dies, the request fails as a server error and ``on_engine_dead`` is called: the Ray actor then exits,
 and Ray starts a fresh replica.
 """
@@ -36,6 +38,7 @@ from adapters.samplers.interface import (
     SamplerFacts,
 )
 from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS, VLLMOptions
+from adapters.samplers.vllm.parallel import THREADS_BIND, CannotBind, cpu_threads_bind, kv_cache_bytes_per_worker
 from adapters.samplers.vllm.results import CollectedOutputs
 from adapters.samplers.vllm.support import vllm_base_refusal
 from shims.errors import ConfigurationRefused, UserError
@@ -78,17 +81,22 @@ class VLLMSampler(SamplerBackend):
         refusal = vllm_base_refusal(_config_dict(location), device, held_in)
         if refusal is not None:  # said now, to the operator, not by an engine dying at the first sample
             raise ConfigurationRefused(refusal)
+        workers = options.tensor_parallel_size
+        if on_cpu:
+            _bind_cpu_workers(workers)
         extra = {}
         if options.gpu_memory_utilization is not None and not on_cpu:
             extra["gpu_memory_utilization"] = options.gpu_memory_utilization
         kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (CPU_KV_CACHE_GB if on_cpu else None)
         if kv_gb is not None:
-            extra["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+            extra["kv_cache_memory_bytes"] = kv_cache_bytes_per_worker(kv_gb, workers)
         args = AsyncEngineArgs(
             model=location, dtype=held_in, max_model_len=max_model_len,
             enable_lora=True, max_lora_rank=options.max_lora_rank,
             max_loras=min(options.max_loras, max_resident), max_cpu_loras=max_resident,
             enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=-1, disable_log_stats=True,
+            # The workers are this replica's child processes, on the devices Ray gave it (see parallel.py why).
+            tensor_parallel_size=workers, distributed_executor_backend="mp",
             # xgrammar always, never another engine by vLLM's "auto" choice: the transformers sampler compiles
             # constraints with xgrammar too (adapters.samplers.grammar), so both accept the same texts.
             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
@@ -110,7 +118,8 @@ class VLLMSampler(SamplerBackend):
             self._watcher = None
         self._facts = SamplerFacts(backend="vllm", vocab_size=int(config.get_vocab_size()),
                                    max_context=int(config.max_model_len), device=device,
-                                   max_resident=max_resident, dtype=str(config.dtype).removeprefix("torch."))
+                                   max_resident=max_resident, dtype=str(config.dtype).removeprefix("torch."),
+                                   tensor_parallel_size=workers)
 
     def facts(self) -> SamplerFacts:
         return self._facts
@@ -247,6 +256,21 @@ class VLLMSampler(SamplerBackend):
                     return self.adapters.acquire(adapter)
                 except AllAdaptersBusy:
                     await self._freed.wait()
+
+
+def _bind_cpu_workers(workers: int) -> None:
+    """Give each of the engine's CPU workers its own cores where vLLM's binding could not (``parallel.py``): set in
+    this process's environment, which vLLM's engine-core process and its workers inherit."""
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    try:
+        binding = cpu_threads_bind(workers, os.sched_getaffinity(0), len(get_visible_memory_node()), os.environ)
+    except CannotBind as exc:
+        raise ConfigurationRefused(str(exc)) from None
+    if binding is not None:
+        os.environ[THREADS_BIND] = binding
+        log.info("vLLM's %d CPU workers bound to cores %s (%s)", workers, binding.replace("|", " | "), THREADS_BIND,
+                 extra={"event": "sampler_cpu_binding", "binding": binding})
 
 
 def _config_dict(location: str) -> dict:
