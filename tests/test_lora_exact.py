@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import adapters.trainer.forward as forward_module
+import adapters.trainer.passes as passes_module
 from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
 from shims.losses import LOSSES, datum_loss, resolve_config
 from shims.tinker.training_wire import DatumArrays
@@ -99,7 +99,7 @@ def test_logprobs_scored_in_chunks_equal_scored_at_once(trained, monkeypatch):
         return result.outputs[0]["logprobs"], grads
 
     whole, whole_grads = run()
-    monkeypatch.setattr(forward_module, "LOGITS_CHUNK_ELEMENTS", trainer.facts.vocab_size * 4)  # 6 chunks
+    monkeypatch.setattr(passes_module, "LOGITS_CHUNK_ELEMENTS", trainer.facts.vocab_size * 4)  # 6 chunks
     chunked, chunked_grads = run()
     np.testing.assert_allclose(chunked, whole, atol=1e-6)
     for got, want in zip(chunked_grads, whole_grads, strict=True):

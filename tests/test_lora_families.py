@@ -292,7 +292,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(f
         "target_tokens": np.asarray(second[1:]), "weights": np.ones(len(second) - 1, dtype=np.float32)})]
     outcomes = {}
     for recompute in (False, True):
-        trainer.forward_pass.recompute.min_tokens = 1 if recompute else 0
+        trainer.passes.recompute.min_tokens = 1 if recompute else 0
         for run, seed in (("a", 5), ("b", 6)):
             trainer.create(run, LoraSpec(rank=4, seed=seed))
             _perturbed(trainer, run, seed)
@@ -306,12 +306,12 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(f
             patch.setattr("adapters.trainer.recompute.checkpoint", counted)
             results = trainer.forward_backward_batch([StepRequest("a", data[:1], "cross_entropy", {}, False),
                                                       StepRequest("b", data[1:], "cross_entropy", {}, False)])
-        assert len(calls) == (len(trainer.forward_pass.recompute.layers) if recompute else 0)
+        assert len(calls) == (len(trainer.passes.recompute.layers) if recompute else 0)
         outcomes[recompute] = (results, {run: [p.grad.clone() for p in trainer.adapters[run].params]
                                          for run in ("a", "b")})
         for run in ("a", "b"):
             trainer.unload(run)
-    trainer.forward_pass.recompute.min_tokens = 0
+    trainer.passes.recompute.min_tokens = 0
     (kept, kept_grads), (recomputed, recomputed_grads) = outcomes[False], outcomes[True]
     for mine, theirs in zip(recomputed, kept, strict=True):
         assert mine.metrics["loss:sum"] == pytest.approx(theirs.metrics["loss:sum"], rel=1e-6, abs=1e-6)

@@ -15,8 +15,9 @@ from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_hand
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from shims.custom_loss import ops
+from shims.custom_loss.batch import CustomLossBatch
 from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
-from shims.custom_loss.run import CustomLossBatch, check_custom_datum, run_datum
+from shims.custom_loss.run import check_custom_datum, run_datum
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumLimits, decode_forward_backward
 

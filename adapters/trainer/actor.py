@@ -8,8 +8,9 @@ runs it as a Ray actor, or as N of them, each one shard of a trainer whose base 
 (``adapters.trainer.shards``): the same methods, called on every shard, rank 0 answering.
 
 Its public methods are the actor's interface (``compat_server.jobs.trainer_client`` calls them, one typed method
-each). The work is done by parts it holds, each knowing only the adapter table (``adapters.trainer.table``): the
-mixed-adapter forward pass (``.forward``), the checkpoint files (``.files``) and the optimizer steps (``.optim``).
+each). The work is done by parts it holds: the model's passes (``.passes``), and, each knowing only those and the
+adapter table (``adapters.trainer.table``), the mixed-adapter forward pass (``.forward``), the checkpoint files
+(``.files``) and the optimizer steps (``.optim``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from adapters.trainer.interface import (
     read_lora_spec,
 )
 from adapters.trainer.optim import Optimizers
+from adapters.trainer.passes import ModelPasses
 from adapters.trainer.shards import Shards, ShardSpec, load_base, local_device, resident_bytes
 from adapters.trainer.table import AdapterTable
 from shims.errors import UserError
@@ -80,8 +82,8 @@ class MultiLoRATrainer:
         )
         self.adapters = AdapterTable(self.model, self.device, max_adapters)
         """The training runs, by ``model_id``."""
-        self.forward_pass = MixedForward(self.model, self.adapters, self.facts, self.device, recompute_tokens,
-                                         self.shards)
+        self.passes = ModelPasses(self.model, text.vocab_size, self.shards, recompute_tokens)
+        self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
 
@@ -150,7 +152,7 @@ class MultiLoRATrainer:
             probe = self.files.staged(Path(directory), read_lora_spec(Path(directory)), with_optimizer=False)
         try:
             datum = DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64)) if self.shards.writes else None
-            return self.forward_pass.score(datum, None if probe is None else probe.name, tokens[1:])
+            return self.passes.score(datum, None if probe is None else probe.name, tokens[1:])
         finally:
             if probe is not None:
                 self.adapters.discard(probe)

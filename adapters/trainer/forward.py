@@ -1,8 +1,8 @@
 """The trainer's forward (and backward) pass: several runs' requests as one mixed-adapter batch through the base model.
 
 Every row goes through its own run's adapter (``adapters.lora.routing`` routes rows by adapter), each request's loss
-is computed on its own rows, and one backward adds each run's gradient to that run only. Scoring stays chunked so
-that a long datum never holds all of its logits at once.
+is computed on its own rows, and one backward adds each run's gradient to that run only. How the model itself is
+run — a batch's hidden states, a datum's logprobs in chunks — is ``adapters.trainer.passes``.
 
 On a sharded trainer (``adapters.trainer.shards``) each shard runs the datums the batch assigns it, and the shards
 combine what belongs to a request as a whole: its loss, whether it failed, its custom-loss metrics and the adapters'
@@ -19,26 +19,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adapters.lora.linear import with_tied_input_side
-from adapters.lora.model import LoRAModel
 from adapters.trainer.interface import ModelFacts, StepRequest, StepResult
-from adapters.trainer.recompute import LayerRecompute
-from adapters.trainer.shards import Shards
+from adapters.trainer.passes import IDLE_ROW, ModelPasses
 from adapters.trainer.table import Adapter, AdapterTable
-from shims.custom_loss.run import CustomLossBatch, check_custom_datum, combined_metrics
+from shims.custom_loss.batch import CustomLossBatch, combined_metrics
+from shims.custom_loss.run import check_custom_datum
 from shims.errors import UserError
 from shims.losses import check_datum, datum_loss, resolve_config
-from shims.tinker.training_wire import DatumArrays
 
 log = logging.getLogger("compat_server.trainer")
-
-LOGITS_CHUNK_ELEMENTS = 1 << 26
-"""At most this many logits (positions × vocabulary) exist at once per datum: 256 MiB in float32, ~440 positions at a
-151k vocabulary. Longer datums are scored chunk by chunk, each chunk's logits recomputed in backward instead of kept."""
-
-IDLE_ROW = DatumArrays(tokens=np.zeros(1, dtype=np.int64))
-"""What a shard with no datum of a batch runs through the base model, so that it takes part in the batch's
-collectives (``adapters.trainer.shards``)."""
 
 Ready = tuple[int, StepRequest, Adapter, dict]
 """A request that passed its checks: its index in the batch, itself, its run's adapter, its loss config."""
@@ -62,19 +51,13 @@ class _Part:
 class MixedForward:
     """Runs forward / forward_backward requests of the table's runs on one base model, for ``MultiLoRATrainer``."""
 
-    def __init__(self, model: LoRAModel, table: AdapterTable, facts: ModelFacts, device: torch.device,
-                 recompute_tokens: int = 0, shards: Shards | None = None) -> None:
-        """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
-        (``adapters.trainer.recompute``; 0: never). ``shards``: the trainer's group (None: a plain trainer)."""
-        self.model = model
-        self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
-        """The base model, its LoRA modules routing rows by ``model.router``."""
-        self.base = model.base
-        self.head = model.head
+    def __init__(self, passes: ModelPasses, table: AdapterTable, facts: ModelFacts) -> None:
+        self.passes = passes
+        """How the base model and its adapters are run (``adapters.trainer.passes``)."""
+        self.shards = passes.shards
+        self.device = passes.device
         self.table = table
         self.facts = facts
-        self.device = device
-        self.shards = shards or Shards(None, device)
 
     def run(self, requests: list[StepRequest]) -> list[StepResult | UserError]:
         """Run several requests — of any adapters, ranks and losses on this base model — as one mixed-adapter batch:
@@ -124,7 +107,7 @@ class MixedForward:
                 self.shards.fatal(exc)
             failure = exc
         finally:
-            self.shards.settle(self.base)
+            self.shards.settle(self.passes.base)
         if len(ready) == 1:
             index, request, _, _ = ready[0]
             outcomes[index] = _failed(request, failure)
@@ -145,7 +128,7 @@ class MixedForward:
         with torch.set_grad_enabled(trains):
             rows = [ready[datums[i][0]][1].data[datums[i][1]] for i in mine] or [IDLE_ROW]
             names = [ready[datums[i][0]][2].name for i in mine] or [None]
-            hidden, probe = self._hidden_through_root(rows, names)
+            hidden, probe = self.passes.hidden(rows, names)
             for row, i in enumerate(mine):
                 position, offset = datums[i]
                 part = parts[position]
@@ -191,7 +174,7 @@ class MixedForward:
         custom = request.custom_loss
         try:
             targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
-            target_logprobs = self.target_logprobs(hidden[: d.tokens.size], adapter.name, targets)
+            target_logprobs = self.passes.target_logprobs(hidden[: d.tokens.size], adapter.name, targets)
             inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
             if custom is not None:
                 part.custom = part.custom or CustomLossBatch(custom)
@@ -263,71 +246,6 @@ class MixedForward:
                     param.grad = grad.contiguous()
                 else:
                     param.grad += grad
-
-    def _hidden_through_root(self, data: list[DatumArrays], names: list[str | None]
-                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``hidden_states`` run inside the sharded model's root call (``Shards.through_root``), and the leaf whose
-        gradient makes every shard's backward reach the first layer (None on a plain trainer)."""
-        probe: list[torch.Tensor] = []
-        hidden = self.shards.through_root(self.base, lambda: self.hidden_states(data, names, probe))
-        return hidden, probe[0] if probe else None
-
-    def hidden_states(self, data: list[DatumArrays], names: list[str | None] | None,
-                      probe: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Final hidden states of a right-padded batch, row ``i`` through adapter ``names[i]`` (None: the base
-        model); padded positions are masked out and never read. With ``probe`` (a sharded trainer's pass that
-        trains), the input embeddings become a leaf that needs a gradient, appended to it."""
-        longest = max(d.tokens.size for d in data)
-        ids = torch.zeros((len(data), longest), dtype=torch.long)
-        mask = torch.zeros((len(data), longest), dtype=torch.long)
-        for i, d in enumerate(data):
-            ids[i, : d.tokens.size] = torch.tensor(d.tokens)
-            mask[i, : d.tokens.size] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        with self.model.router.routing(names), self.recompute.for_pass(ids.numel()):
-            embeds = self.base.get_input_embeddings()(ids)
-            if probe is not None and self.shards.sharded and torch.is_grad_enabled():
-                embeds = embeds.detach().requires_grad_(True)
-                probe.append(embeds)
-            if self.model.tied:
-                embeds = with_tied_input_side(embeds, ids, self.head)
-            # No cache: a training pass reads none, and a layer recomputed in backward must not append to one twice.
-            return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask, use_cache=False).last_hidden_state
-
-    def score(self, data: DatumArrays | None, name: str | None, targets: list[int]) -> list[float] | None:
-        """Logprobs of ``targets`` after ``data`` through adapter ``name`` (None: the base model), without
-        gradients. On a sharded trainer rank 0 scores the datum and the other shards (``data`` None) take part."""
-        try:
-            with torch.no_grad():
-                hidden, _ = self._hidden_through_root([data if data is not None else IDLE_ROW], [name])
-                if data is None:
-                    return None
-                return self.target_logprobs(hidden[0], name, torch.tensor(targets, device=self.device)).cpu().tolist()
-        except Exception as exc:
-            if self.shards.sharded:
-                self.shards.fatal(exc)
-            raise
-        finally:
-            self.shards.settle(self.base)
-
-    def target_logprobs(self, hidden: torch.Tensor, name: str | None, targets: torch.Tensor) -> torch.Tensor:
-        """Logprobs of ``targets`` (one per position, or ``[positions, k]``) from one datum's final hidden states,
-        through ``name``'s output head, computed over at most ``LOGITS_CHUNK_ELEMENTS`` logits at a time."""
-        n = hidden.shape[0]
-        flat = targets.reshape(n, -1)
-        head = self.head
-
-        def score(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return torch.log_softmax(head.with_adapter(h, name).float(), dim=-1).gather(1, t)
-
-        size = max(1, LOGITS_CHUNK_ELEMENTS // self.facts.vocab_size)
-        if n <= size:
-            return score(hidden, flat).reshape(targets.shape)
-        recompute = torch.is_grad_enabled()
-        chunks = [torch.utils.checkpoint.checkpoint(score, hidden[i:i + size], flat[i:i + size], use_reentrant=False)
-                  if recompute else score(hidden[i:i + size], flat[i:i + size]) for i in range(0, n, size)]
-        return torch.cat(chunks).reshape(targets.shape)
-
 
 def _failed(request: StepRequest, exc: Exception) -> UserError | Exception:
     """What a request that failed on its own gets: a user error when its custom loss (the client's code) failed

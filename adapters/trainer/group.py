@@ -225,7 +225,7 @@ class TrainerGroup:
             _reloading.set(True)  # this task's context only: the reload's own calls
             try:
                 await self.on_restart()
-            except Exception:  # noqa: BLE001 - runs that did not come back are marked so by the reload itself
+            except Exception:
                 log.exception("%s: reloading its training runs failed", self.what)
         self.open()
 

@@ -1,0 +1,100 @@
+"""How the trainer runs its base model with the adapters on it: a batch's final hidden states (each row through its
+own adapter, on a sharded trainer inside the FSDP2 root module's call), a datum's target logprobs scored in chunks so
+that a long datum never holds all of its logits at once, and scoring without gradients. ``adapters.trainer.forward``
+builds the training passes on these."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from adapters.lora.linear import with_tied_input_side
+from adapters.lora.model import LoRAModel
+from adapters.trainer.recompute import LayerRecompute
+from adapters.trainer.shards import Shards
+from shims.tinker.training_wire import DatumArrays
+
+LOGITS_CHUNK_ELEMENTS = 1 << 26
+"""At most this many logits (positions × vocabulary) exist at once per datum: 256 MiB in float32, ~440 positions at a
+151k vocabulary. Longer datums are scored chunk by chunk, each chunk's logits recomputed in backward instead of kept."""
+
+IDLE_ROW = DatumArrays(tokens=np.zeros(1, dtype=np.int64))
+"""What a shard with no datum of a batch runs through the base model, so that it takes part in the batch's
+collectives (``adapters.trainer.shards``)."""
+
+
+class ModelPasses:
+    """One base model's passes, for ``MultiLoRATrainer`` (and its ``MixedForward``)."""
+
+    def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute_tokens: int = 0) -> None:
+        """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
+        (``adapters.trainer.recompute``; 0: never). ``shards``: the trainer's group (a plain trainer's: world 1)."""
+        self.model = model
+        self.base = model.base
+        """The base model, its LoRA modules routing rows by ``model.router``."""
+        self.head = model.head
+        self.vocab_size = vocab_size
+        self.shards = shards
+        self.device = shards.device
+        self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
+
+    def hidden(self, data: list[DatumArrays], names: list[str | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states of a right-padded batch, row ``i`` through adapter ``names[i]`` (None: the base
+        model; padded positions are masked out and never read), run inside the sharded model's root call
+        (``Shards.through_root``). And on a sharded trainer's pass that trains, the input embeddings as a leaf that
+        needs a gradient, so that every shard's backward reaches the first layer (None otherwise)."""
+        probe: list[torch.Tensor] = []
+        hidden = self.shards.through_root(self.base, lambda: self._hidden(data, names, probe))
+        return hidden, probe[0] if probe else None
+
+    def _hidden(self, data: list[DatumArrays], names: list[str | None], probe: list[torch.Tensor]) -> torch.Tensor:
+        longest = max(d.tokens.size for d in data)
+        ids = torch.zeros((len(data), longest), dtype=torch.long)
+        mask = torch.zeros((len(data), longest), dtype=torch.long)
+        for i, d in enumerate(data):
+            ids[i, : d.tokens.size] = torch.tensor(d.tokens)
+            mask[i, : d.tokens.size] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with self.model.router.routing(names), self.recompute.for_pass(ids.numel()):
+            embeds = self.base.get_input_embeddings()(ids)
+            if self.shards.sharded and torch.is_grad_enabled():
+                embeds = embeds.detach().requires_grad_(True)
+                probe.append(embeds)
+            if self.model.tied:
+                embeds = with_tied_input_side(embeds, ids, self.head)
+            # No cache: a training pass reads none, and a layer recomputed in backward must not append to one twice.
+            return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask, use_cache=False).last_hidden_state
+
+    def score(self, data: DatumArrays | None, name: str | None, targets: list[int]) -> list[float] | None:
+        """Logprobs of ``targets`` after ``data`` through adapter ``name`` (None: the base model), without
+        gradients. On a sharded trainer rank 0 scores the datum and the other shards (``data`` None) take part."""
+        try:
+            with torch.no_grad():
+                hidden, _ = self.hidden([data if data is not None else IDLE_ROW], [name])
+                if data is None:
+                    return None
+                return self.target_logprobs(hidden[0], name, torch.tensor(targets, device=self.device)).cpu().tolist()
+        except Exception as exc:
+            if self.shards.sharded:
+                self.shards.fatal(exc)
+            raise
+        finally:
+            self.shards.settle(self.base)
+
+    def target_logprobs(self, hidden: torch.Tensor, name: str | None, targets: torch.Tensor) -> torch.Tensor:
+        """Logprobs of ``targets`` (one per position, or ``[positions, k]``) from one datum's final hidden states,
+        through ``name``'s output head, computed over at most ``LOGITS_CHUNK_ELEMENTS`` logits at a time."""
+        n = hidden.shape[0]
+        flat = targets.reshape(n, -1)
+        head = self.head
+
+        def score(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return torch.log_softmax(head.with_adapter(h, name).float(), dim=-1).gather(1, t)
+
+        size = max(1, LOGITS_CHUNK_ELEMENTS // self.vocab_size)
+        if n <= size:
+            return score(hidden, flat).reshape(targets.shape)
+        recompute = torch.is_grad_enabled()
+        chunks = [torch.utils.checkpoint.checkpoint(score, hidden[i:i + size], flat[i:i + size], use_reentrant=False)
+                  if recompute else score(hidden[i:i + size], flat[i:i + size]) for i in range(0, n, size)]
+        return torch.cat(chunks).reshape(targets.shape)
