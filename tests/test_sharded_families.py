@@ -10,6 +10,7 @@ vision-language checkpoint, where a sharded weight or a shard's share of a batch
 from __future__ import annotations
 
 import multiprocessing
+import operator
 import os
 from pathlib import Path
 
@@ -53,6 +54,36 @@ def script(trainer) -> tuple[list, list[float], dict]:
     return rounds, score, weights
 
 
+def floor_divided(logprobs):
+    return operator.floordiv(logprobs, logprobs).sum(), {}  # runs forward; its backward raises
+
+
+def isolation_script(trainer, hostile: bool) -> tuple[list, list]:
+    """Two honest runs in one batch, with (``hostile``) two more beside them, each with two datums that go to
+    different shards: a custom loss whose backward raises, and a loss that is not finite on one datum only. Returns
+    the outcomes and the honest runs' optim steps."""
+    from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+    from adapters.trainer.interface import AdamHyper, LoraSpec, OptimRequest, StepRequest
+    from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
+    from tests.test_lora_exact import _datum
+
+    rng = np.random.default_rng(5)
+    for model_id in ("a", "b", "bad", "nan"):
+        trainer.create(model_id, LoraSpec(rank=4, seed=len(model_id)))
+    handle = trace_loss(floor_divided, {"logprobs": 1}, "s")
+    custom = compile_custom_loss(handle.name, handle.inputs, encode_graph(handle).nodes, CustomLossLimits())
+    overflow = [_datum(rng, 30, "importance_sampling") for _ in range(2)]
+    overflow[1].loss_fn_inputs["logprobs"][:] = -1e4  # the ratio to this sampler overflows: an infinite loss
+    requests = [StepRequest("a", [_datum(rng, 20, "cross_entropy") for _ in range(3)], "cross_entropy", {}, False),
+                StepRequest("bad", [_datum(rng, 9, "cross_entropy") for _ in range(2)], "custom", {}, False,
+                            custom_loss=custom),
+                StepRequest("nan", overflow, "importance_sampling", {}, False),
+                StepRequest("b", [_datum(rng, 11, "cross_entropy") for _ in range(2)], "cross_entropy", {}, False)]
+    outcomes = trainer.forward_backward_batch(requests if hostile else [requests[0], requests[3]])
+    return outcomes, trainer.optim_steps([OptimRequest(m, AdamHyper(learning_rate=1e-2)) for m in ("a", "b")])
+
+
 def _shard(rank: int, world: int, address: str, directories: list[str], results) -> None:
     import torch
 
@@ -66,6 +97,9 @@ def _shard(rank: int, world: int, address: str, directories: list[str], results)
         outcome = script(trainer)
         if rank == 0:
             results.put((directory, outcome))
+    isolated = isolation_script(MultiLoRATrainer(directories[0], shard=ShardSpec(rank, world, address)), True)
+    if rank == 0:
+        results.put(("isolation", isolated))
     import torch.distributed as dist
 
     dist.barrier()
@@ -84,7 +118,7 @@ def sharded_runs(model_cache) -> dict[str, tuple]:
         process.start()
     found = {}
     try:
-        for _ in directories:
+        for _ in [*directories, "isolation"]:
             directory, outcome = results.get(timeout=600)
             found[Path(directory).name] = outcome
     finally:
@@ -119,3 +153,25 @@ def test_two_shards_train_every_family_as_one_trainer(sharded_runs, family):
     for model_id, params in weights.items():
         for x, y in zip(params, split_weights[model_id], strict=True):
             np.testing.assert_allclose(y, x, atol=1e-5)
+
+
+def test_a_request_that_fails_on_one_shard_fails_alone(sharded_runs, model_cache):
+    """Beside two honest runs, a custom loss whose backward raises and a loss that overflows on one of its two datums
+    (each datum on another shard): each fails alone as a user error, on every shard alike (the next batch runs), and
+    the honest runs get exactly what they get without them."""
+    from adapters.trainer.actor import MultiLoRATrainer
+    from shims.errors import UserError
+
+    directory = str(family_dir(SHARDED[0]))
+    (outcomes, stepped) = sharded_runs["isolation"]
+    alone, alone_stepped = isolation_script(MultiLoRATrainer(directory), False)
+    plain, plain_stepped = isolation_script(MultiLoRATrainer(directory), True)
+    for got in (outcomes, plain):  # sharded, and the plain trainer: the same errors
+        assert isinstance(got[1], UserError) and "custom loss 'floor_divided' failed: RuntimeError" in str(got[1])
+        assert isinstance(got[2], UserError) and "the loss is not finite" in str(got[2])
+    for got, want in ((outcomes[0], alone[0]), (outcomes[3], alone[1])):
+        assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+        for x, y in zip(got.outputs, want.outputs, strict=True):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5)
+    for got, want in zip(stepped, alone_stepped, strict=True):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5) and want["grad_norm"] > 0
