@@ -163,7 +163,7 @@ def test_a_request_that_fails_on_one_shard_fails_alone(sharded_runs, model_cache
     from shims.errors import UserError
 
     directory = str(family_dir(SHARDED[0]))
-    (outcomes, stepped) = sharded_runs["isolation"]
+    outcomes, stepped = sharded_runs["isolation"]
     alone, alone_stepped = isolation_script(MultiLoRATrainer(directory), False)
     plain, plain_stepped = isolation_script(MultiLoRATrainer(directory), True)
     for got in (outcomes, plain):  # sharded, and the plain trainer: the same errors
@@ -173,5 +173,6 @@ def test_a_request_that_fails_on_one_shard_fails_alone(sharded_runs, model_cache
         assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
         for x, y in zip(got.outputs, want.outputs, strict=True):
             np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5)
-    for got, want in zip(stepped, alone_stepped, strict=True):
+    for got, plain_got, want in zip(stepped, plain_stepped, alone_stepped, strict=True):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5) and want["grad_norm"] > 0
+        assert plain_got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
