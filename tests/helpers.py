@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -266,3 +267,61 @@ async def streamed_chat_chunks(vocab, tokens, tools, finish: str, stops=(), incl
                          finish_reason=out.finish_reason(finish) if last else None)
         sent += len(calls)
     yield chat_chunk(*header, used=usage(7, len(tokens)))
+
+
+def crash_the_trainer(server, key: str, process: Callable[[dict], tuple[int, str]]):
+    """kill -9 a process of ``server``'s trainer under a running request, and check what users get: that request
+    fails as a server error saying which process died (``process(metrics["training"][BASE_MODEL])`` gives its pid and
+    the name the error gives it: ``its process`` or ``its shard 1 of 2``); no process of the old trainer is left; a
+    run saved at step 2 and stepped once more is reloaded from its checkpoint, its next request names the step lost,
+    once, then it scores as at the checkpoint and trains on; a run that never saved says the trainer restarted.
+    Returns the saved run's client and datum."""
+    import psutil
+
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    saved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
+    unsaved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2).result()
+    datum = make_datum([11, 42, 77, 103], [250, 3, 99])
+    train(saved, datum, 2)
+    saved.save_state("last-good").result()
+    at_checkpoint = forward_logprobs(saved, datum)
+    train(saved, datum, 1)  # a step after the checkpoint: lost in the crash
+    assert np.abs(forward_logprobs(saved, datum) - at_checkpoint).max() > 1e-4
+    train(unsaved, datum, 1)
+
+    def trainer() -> dict:
+        return httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin, timeout=30).json()["training"][
+            BASE_MODEL]
+
+    before = trainer()
+    pid, named = process(before)
+    rng = np.random.default_rng(0)
+    long = [make_datum(rng.integers(0, 400, 1000).tolist(), rng.integers(0, 400, 999).tolist()) for _ in range(12)]
+    in_flight = unsaved.forward(long, "cross_entropy")
+    time.sleep(1.5)  # the long pass has reached the trainer
+    psutil.Process(pid).kill()
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        in_flight.result()
+    assert failed.value.category == types.RequestErrorCategory.Server
+    assert (f"trainer for {BASE_MODEL} is not available: {named} (pid {pid}) died; it restarts, and its training runs "
+            "come back from their last checkpoints") in str(failed.value), str(failed.value)
+
+    deadline = time.monotonic() + 180
+    while "reloaded from" not in server.log() or "lost in the trainer restart" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.5)
+    after = trainer()
+    assert after["restarts"] == before["restarts"] + 1
+    assert not any(psutil.pid_exists(s["pid"]) for s in before["shards"]), "a process of the old trainer still runs"
+    assert {s["pid"] for s in after["shards"]}.isdisjoint(s["pid"] for s in before["shards"])
+
+    with pytest.raises(tinker.RequestFailedError) as told:  # the run's next request says what happened, once
+        forward_logprobs(saved, datum)
+    assert (f"rolled back to its checkpoint tinker://{saved.model_id}/weights/last-good" in str(told.value)
+            and "1 optimizer step(s) after it were lost (it was saved at step 2; the run had reached step 3)"
+            in str(told.value) and told.value.category == types.RequestErrorCategory.Server), str(told.value)
+    np.testing.assert_allclose(forward_logprobs(saved, datum), at_checkpoint, atol=1e-6)
+    train(saved, datum, 1)  # and it trains on
+    with pytest.raises(tinker.RequestFailedError, match="trainer restarted"):
+        unsaved.forward_backward([datum], "cross_entropy").result()
+    return saved, datum

@@ -22,7 +22,7 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from tests.helpers import ADAM, BASE_MODEL, forward_logprobs, make_datum, poll_future, train
+from tests.helpers import ADAM, BASE_MODEL, crash_the_trainer, forward_logprobs, make_datum, poll_future, train
 from tests.server import start_server
 
 KEY = "tml-test-crash"
@@ -256,43 +256,16 @@ def test_per_key_limits_refuse_clearly_and_both_sdks_retry(model_cache, tmp_path
 
 @pytest.mark.timeout(300)
 def test_a_crashed_trainer_restarts_and_saved_runs_come_back(model_cache, tmp_path):
-    """kill -9 the trainer actor: Ray restarts it, the pool notices, and every active run is reloaded from its
-    latest training checkpoint (steps after it are lost); a run that never saved is marked unloaded, clearly."""
+    """kill -9 the trainer actor under a running request: that request fails saying so, the pool starts the trainer
+    again, and every active run is reloaded from its latest training checkpoint (steps after it are lost); a run
+    that never saved is marked unloaded, clearly (``tests.helpers.crash_the_trainer``)."""
     server = start_server(tmp_path / "data")
     try:
         url = server.base_url
-        service = tinker.ServiceClient(base_url=url, api_key=KEY)
-        saved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
-        unsaved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2).result()
-        datum = make_datum([11, 42, 77, 103], [250, 3, 99])
-        train(saved, datum, 2)
-        saved.save_state("last-good").result()
-        at_checkpoint = forward_logprobs(saved, datum)
-        train(saved, datum, 1)  # a step after the checkpoint: lost in the crash
-        assert np.abs(forward_logprobs(saved, datum) - at_checkpoint).max() > 1e-4
-        train(unsaved, datum, 1)
-
-        metrics = httpx.get(f"{url}/api/v1/metrics", headers=server.admin).json()
-        old_pid = metrics["training"][BASE_MODEL]["pid"]
-        psutil.Process(old_pid).kill()
-        deadline = time.monotonic() + 120
-        while "reloaded from" not in server.log() or "lost in the trainer restart" not in server.log():
-            assert time.monotonic() < deadline, server.log()[-3000:]
-            time.sleep(0.5)
-        metrics = httpx.get(f"{url}/api/v1/metrics", headers=server.admin).json()
-        assert metrics["training"][BASE_MODEL]["pid"] != old_pid
-
-        with pytest.raises(tinker.RequestFailedError) as told:  # the run's next request says what happened, once
-            forward_logprobs(saved, datum)
-        assert (f"rolled back to its checkpoint tinker://{saved.model_id}/weights/last-good" in str(told.value)
-                and "1 optimizer step(s) after it were lost (it was saved at step 2; the run had reached step 3)"
-                in str(told.value) and told.value.category == types.RequestErrorCategory.Server), str(told.value)
+        saved, _ = crash_the_trainer(server, KEY, lambda trainer: (trainer["pid"], "its process"))
         runs = httpx.get(f"{url}/api/v1/dashboard", headers=HEADERS).json()["training_runs"]
         assert "last-good" in next(r for r in runs if r["id"] == saved.model_id)["rolled_back"]
-        np.testing.assert_allclose(forward_logprobs(saved, datum), at_checkpoint, atol=1e-6)
-        train(saved, datum, 1)  # and it trains on
-        with pytest.raises(tinker.RequestFailedError, match="trainer restarted"):
-            unsaved.forward_backward([datum], "cross_entropy").result()
+        metrics = httpx.get(f"{url}/api/v1/metrics", headers=server.admin).json()
 
         # A crashed sampler replica comes back too, and loads adapters again on demand.
         sampler = saved.save_weights_and_get_sampling_client().result()
@@ -309,7 +282,6 @@ def test_a_crashed_trainer_restarts_and_saved_runs_come_back(model_cache, tmp_pa
                 assert exc.category == types.RequestErrorCategory.Server and time.monotonic() < deadline
                 time.sleep(1)
         assert after.sequences[0].tokens == before.sequences[0].tokens
-        service.close("success")
     finally:
         server.stop()
 

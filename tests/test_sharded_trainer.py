@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import psutil
 import pytest
 import tinker
 from safetensors import safe_open
@@ -17,7 +16,7 @@ from tinker import types
 
 from shims.losses import LOSSES
 from tests.conftest import SERVER_ARGS
-from tests.helpers import ADAM, BASE_MODEL, checkpoint_dir, forward_logprobs, make_datum, train
+from tests.helpers import ADAM, BASE_MODEL, checkpoint_dir, crash_the_trainer, forward_logprobs, make_datum, train
 from tests.server import RunningServer, start_server
 
 KEY = "tml-test-shards"
@@ -169,45 +168,11 @@ def test_each_shard_holds_half_of_the_base_weights(cluster, tiny_model_dir):
 
 
 def test_a_dead_shard_takes_its_group_down_and_the_runs_come_back(cluster):
-    """kill -9 one shard while a request runs: that request fails as a crashed trainer's do, the other shard is
-    killed too (no orphan), the group starts again, and a saved run is reloaded from its checkpoint (a run that never
-    saved is marked unloaded); the run then trains on."""
-    server = cluster.server
-    service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
-    saved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
-    busy = service.create_lora_training_client(base_model=BASE_MODEL, rank=2, seed=2).result()
-    datum = make_datum([11, 42, 77, 103], [250, 3, 99])
-    train(saved, datum, 2)
-    saved.save_state("last-good").result()
-    at_checkpoint = forward_logprobs(saved, datum)
-    train(saved, datum, 1)
-    old = training_metrics(server)["shards"]
-
-    rng = np.random.default_rng(0)
-    long = [make_datum(rng.integers(0, 400, 1000).tolist(), rng.integers(0, 400, 999).tolist()) for _ in range(12)]
-    in_flight = busy.forward_backward(long, "cross_entropy")
-    time.sleep(1.5)
-    psutil.Process(old[1]["pid"]).kill()
-    with pytest.raises(tinker.RequestFailedError) as failed:
-        in_flight.result()
-    assert failed.value.category == types.RequestErrorCategory.Server
-    assert (f"trainer for {BASE_MODEL} is not available: its shard 1 of 2 (pid {old[1]['pid']}) died; it restarts, "
-            "and its training runs come back from their last checkpoints") in str(failed.value)
-
-    deadline = time.monotonic() + 180
-    while "reloaded from" not in server.log() or "lost in the trainer restart" not in server.log():
-        assert time.monotonic() < deadline, server.log()[-3000:]
-        time.sleep(0.5)
-    assert not any(psutil.pid_exists(s["pid"]) for s in old), "a shard of the old group is still running"
-    new = training_metrics(server)
-    assert new["restarts"] == 1 and {s["pid"] for s in new["shards"]}.isdisjoint(s["pid"] for s in old)
-    with pytest.raises(tinker.RequestFailedError, match="rolled back to its checkpoint"):
-        forward_logprobs(saved, datum)
-    np.testing.assert_allclose(forward_logprobs(saved, datum), at_checkpoint, atol=1e-6)
-    train(saved, datum, 1)
-    with pytest.raises(tinker.RequestFailedError, match="trainer restarted"):
-        busy.forward_backward([datum], "cross_entropy").result()
-    service.close("success")
+    """kill -9 one shard under a running request: that request fails as a crashed single trainer's does, the other
+    shard is killed too (no orphan), the group starts again, and the runs come back from their checkpoints as after a
+    crash of a single trainer (``tests.helpers.crash_the_trainer``)."""
+    crash_the_trainer(cluster.server, KEY, lambda trainer: (trainer["shards"][1]["pid"], "its shard 1 of 2"))
+    assert len(training_metrics(cluster.server)["shards"]) == 2
 
 
 def test_a_checkpoint_crosses_shard_counts_both_ways(cluster):
