@@ -63,6 +63,11 @@ class ServerConfig:
              "may span nodes): each holds 1/N of the base model's weights (FSDP2) and runs 1/N of every batch; "
              "--trainer-cpus, --trainer-gpus and --trainer-resource are per shard (default: %(default)s, the whole "
              "model in one process)")
+    placement_timeout: float = option(
+        120.0, check=ABOVE_ZERO,
+        help="seconds the shards of a sharded trainer (--trainer-shards) may wait for the Ray cluster to have room for "
+             "them, all at once, before the start is refused naming what is missing; raise it on a cluster whose "
+             "autoscaler adds nodes (default: %(default)s)")
 
     # Trainers, and what one key may hold.
     max_batch_tokens: int = option(

@@ -136,7 +136,8 @@ async def start_services(config: ServerConfig) -> Services:
         num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads,
         resources=config.trainer_resources or None,
         max_batch_tokens=config.max_batch_tokens, max_adapters=config.max_adapters,
-        recompute_tokens=config.activation_checkpointing_tokens, shards=config.trainer_shards))
+        recompute_tokens=config.activation_checkpointing_tokens, shards=config.trainer_shards,
+        placement_timeout=config.placement_timeout))
     backend = choose_backend(config.sampler_backend, sampler_gpus > 0)
     samplers = SamplerPool(list(base_models.values()), SamplerPlacement(
         count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,

@@ -1,6 +1,7 @@
 """Scale-out: a 2-node Ray cluster on this machine (a head and a worker joining it, each with its own custom
 resource), the server joining it with --ray-address, the trainer placed on one node and the samplers on the other,
-and the train → save → sample flow across them through a shared storage directory."""
+and the train → save → sample flow across them through a shared storage directory; a trainer whose two shards sit on
+the two nodes; refusals of what the cluster lacks."""
 
 from __future__ import annotations
 
@@ -112,13 +113,48 @@ def test_a_cluster_without_the_asked_resources_is_refused_at_start(cluster, mode
                      timeout=120)
 
 
-def test_a_cluster_without_the_gpus_the_samplers_ask_for_is_refused_at_start(cluster, model_cache, tmp_path):
-    """Tensor-parallel vLLM samplers on a cluster with no GPU: the server says in one line what is missing, before
-    any actor would wait for GPUs forever."""
+@pytest.mark.parametrize(("options", "missing"), [
+    (("--sampler-backend", "vllm", "--sampler-tensor-parallel-size", "2", "--sampler-gpus", "2"),
+     ("the Ray cluster has 0 GPUs, but 1 sampler replica × 2 GPUs (--sampler-tensor-parallel-size 2) ask for 2: 2 "
+      "GPUs missing")),
+    (("--trainer-shards", "2", "--trainer-gpus", "1"),
+     "the Ray cluster has 0 GPUs, but 2 trainer shards × 1 GPU (--trainer-shards 2) ask for 2: 2 GPUs missing"),
+], ids=["tensor-parallel-samplers", "trainer-shards"])
+def test_a_cluster_without_the_gpus_asked_for_is_refused_at_start(cluster, model_cache, tmp_path, options, missing):
+    """Tensor-parallel vLLM samplers, or a trainer sharded over GPUs, on a cluster with none: the server says in one
+    line what is missing, before any actor would wait for GPUs forever."""
     address, env = cluster
     with pytest.raises(RuntimeError, match="server exited") as failed:
-        start_server(tmp_path / "data", "--ray-address", address, "--sampler-backend", "vllm",
-                     "--sampler-tensor-parallel-size", "2", "--sampler-gpus", "2", env=env, timeout=120, attempts=1)
+        start_server(tmp_path / "data", "--ray-address", address, *options, env=env, timeout=120, attempts=1)
     line = next(line for line in str(failed.value).splitlines() if "cannot start" in line)
-    assert "the Ray cluster has 0 GPUs, but 1 sampler replica × 2 GPUs (--sampler-tensor-parallel-size 2)" in line
-    assert "2 GPUs missing" in line and "Traceback" not in str(failed.value)
+    assert missing in line and "Traceback" not in str(failed.value)
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_split_over_two_nodes_trains_and_its_sampler_serves_it(cluster, model_cache, tmp_path):
+    """--trainer-shards 2 where no node has room for both shards (the sampler takes one of the worker's two CPUs):
+    one shard on each node, talking through gloo across them, trains an adapter that the sampler then serves."""
+    address, env = cluster
+    server = start_server(tmp_path / "data", "--ray-address", address, "--trainer-shards", "2", "--trainer-cpus", "1",
+                          "--sampler-resource", "sampler_node=1", "--sampler-cpus", "1",
+                          "--storage-dir", str(tmp_path / "shared-storage"), env=env)
+    try:
+        nodes = json.loads(subprocess.run([sys.executable, "-c", NODES.format(address=address)], env=env,
+                                          capture_output=True, text=True, timeout=120, check=True).stdout)
+        shards = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin).json()["training"][BASE_MODEL][
+            "shards"]
+        assert sorted(nodes[s["node"]] for s in shards) == [["sampler_node"], ["trainer_node"]]
+        assert {s["backend"] for s in shards} == {"gloo"}
+
+        service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-cluster")
+        client = service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=0).result()
+        prompt, target = [11, 42, 77, 103], [250, 3, 99]
+        losses = train(client, make_datum(prompt, target), 20, types.AdamParams(learning_rate=3e-3))
+        assert losses[-1] < 0.1 * losses[0], losses
+        sampler = client.save_weights_and_get_sampling_client().result()
+        out = sampler.sample(types.ModelInput.from_ints(prompt), 1,
+                             types.SamplingParams(max_tokens=3, temperature=0.0, stop=[])).result()
+        assert out.sequences[0].tokens == target
+        service.close("success")
+    finally:
+        server.stop()

@@ -1,7 +1,7 @@
 """The sharded trainer on every family hosted Tinker trains, in-process: two processes (gloo) each holding half of a
 tiny model of the family run the same mixed-adapter script as one plain trainer — every built-in loss, adapters of
-three ranks on different weight groups, a forward-only request, activation checkpointing, optim steps, scoring — and
-every output, metric, gradient norm and final weight equals the plain trainer's (fp32).
+three ranks on different weight groups, a forward-only request, activation checkpointing, AdamW and Dimuon steps,
+scoring — and every output, metric, gradient norm and final weight equals the plain trainer's (fp32).
 
 No Ray and no server here (``tests/test_sharded_trainer.py`` runs the shards through both): this is the numerics of
 ``adapters.trainer.shards`` and ``adapters.trainer.forward`` on mixtures of experts, MLA, linear attention, Mamba and a
@@ -12,6 +12,8 @@ from __future__ import annotations
 import multiprocessing
 import operator
 import os
+import queue
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +25,21 @@ from tests.server import free_port
 SHARDED = ("llama3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl", "nemotron_h")
 """Tied and untied heads, experts of every layout, MLA, Gated DeltaNet with a vision tower, Mamba-2 (qwen3 and the
 text-only qwen3_5_moe are their neighbours' layouts)."""
+UNTIED = "qwen3"
+"""A dense model with its own head: the batches of ``edge_script`` run on it."""
 
 
 def script(trainer) -> tuple[list, list[float], dict]:
-    """Three rounds of mixed batches over three runs (ranks 8, 2 and 4; all weights, attention only, MLP and head),
-    every loss in turn, one run forward-only in the second round; each round's optim steps; then a score. Returns
-    the outcomes, the score and every run's final parameters."""
-    from adapters.trainer.interface import AdamHyper, LoraSpec, OptimRequest, StepRequest
+    """Three rounds of mixed batches over four runs (ranks 8, 2 and 4; all weights, attention only, MLP and head;
+    one stepped by Dimuon), every loss in turn, one run forward-only in the second round; each round's optim steps;
+    then a score. Returns the outcomes, the score and every run's final parameters."""
+    from adapters.trainer.interface import AdamHyper, DimuonHyper, LoraSpec, OptimRequest, StepRequest
     from shims.losses import LOSSES
     from tests.test_lora_exact import _datum
 
     rng = np.random.default_rng(0)
     specs = {"a": LoraSpec(rank=8, seed=1), "b": LoraSpec(rank=2, seed=2, train_mlp=False, train_unembed=False),
-             "c": LoraSpec(rank=4, seed=3, train_attn=False)}
+             "c": LoraSpec(rank=4, seed=3, train_attn=False), "d": LoraSpec(rank=4, seed=4, optimizer="dimuon")}
     for model_id, spec in specs.items():
         trainer.create(model_id, spec)
     losses = sorted(LOSSES)
@@ -47,7 +51,8 @@ def script(trainer) -> tuple[list, list[float], dict]:
             data = [_datum(rng, int(rng.integers(3, 40)), loss_fn) for _ in range(int(rng.integers(1, 4)))]
             requests.append(StepRequest(model_id, data, loss_fn, {}, forward_only=model_id == "c" and step == 1))
         outcomes = trainer.forward_backward_batch(requests)
-        stepped = trainer.optim_steps([OptimRequest(m, AdamHyper(learning_rate=1e-2)) for m in specs])
+        stepped = trainer.optim_steps([OptimRequest(m, DimuonHyper(learning_rate=1e-2) if m == "d" else
+                                                    AdamHyper(learning_rate=1e-2)) for m in specs])
         rounds.append((outcomes, stepped))
     score = trainer.score(None, [1, 2, 3, 4, 5, 6])
     weights = {m: [p.detach().cpu().numpy() for p in trainer.adapters[m].params] for m in specs}
@@ -84,7 +89,41 @@ def isolation_script(trainer, hostile: bool) -> tuple[list, list]:
     return outcomes, trainer.optim_steps([OptimRequest(m, AdamHyper(learning_rate=1e-2)) for m in ("a", "b")])
 
 
-def _shard(rank: int, world: int, address: str, directories: list[str], results) -> None:
+def edge_script(trainer, checkpoint: str) -> list:
+    """Batches that leave a shard out of the loss (the untied head's weights are gathered and freed around it): one
+    datum (the other shard idle), a shard holding only a forward-only request's datum, a forward-only datum first on a
+    shard, a batch whose only training request fails; then repeated scores, and a checkpoint one shard cannot read
+    (``checkpoint`` is its directory, or a path that does not exist). Returns every outcome, in order."""
+    from adapters.trainer.interface import AdamHyper, LoraSpec, OptimRequest, StepRequest
+    from tests.test_lora_exact import _datum
+
+    rng = np.random.default_rng(9)
+    trainer.create("a", LoraSpec(rank=4, seed=1))
+    trainer.create("b", LoraSpec(rank=4, seed=2))
+    overflow = [_datum(rng, 30, "importance_sampling") for _ in range(2)]
+    overflow[1].loss_fn_inputs["logprobs"][:] = -1e4
+    batches = [[StepRequest("a", [_datum(rng, 12, "cross_entropy")], "cross_entropy", {}, False)],
+               [StepRequest("a", [_datum(rng, 30, "cross_entropy")], "cross_entropy", {}, False),
+                StepRequest("b", [_datum(rng, 12, "cross_entropy")], "cross_entropy", {}, True)],
+               [StepRequest("b", [_datum(rng, 20, "cross_entropy")], "cross_entropy", {}, True),
+                StepRequest("a", [_datum(rng, n, "cross_entropy") for n in (19, 18, 5)], "cross_entropy", {}, False)],
+               [StepRequest("a", overflow, "importance_sampling", {}, False)],
+               [StepRequest("a", [_datum(rng, 12, "cross_entropy") for _ in range(3)], "cross_entropy", {}, False)]]
+    outcomes: list = []
+    for batch in batches:
+        outcomes.append(trainer.forward_backward_batch(batch))
+        outcomes.append(trainer.optim_steps([OptimRequest("a", AdamHyper(learning_rate=1e-2))]))
+    outcomes += [trainer.score(None, [5, 4, 3, 2, 1]) for _ in range(3)]
+    try:
+        trainer.load_state("b", checkpoint, with_optimizer=True)
+        outcomes.append("loaded")
+    except Exception as exc:  # noqa: BLE001 - the outcome compared
+        outcomes.append(exc)
+    outcomes.append(trainer.forward_backward_batch(batches[-1]))
+    return outcomes
+
+
+def _shard(rank: int, world: int, address: str, directories: list[str], checkpoint: str, results) -> None:
     import torch
 
     from adapters.trainer.actor import MultiLoRATrainer
@@ -102,24 +141,50 @@ def _shard(rank: int, world: int, address: str, directories: list[str], results)
         results.put(("isolation", isolated))
     import torch.distributed as dist
 
+    edges = edge_script(MultiLoRATrainer(str(family_dir(UNTIED)), recompute_tokens=64,
+                                         shard=ShardSpec(rank, world, address)),
+                        checkpoint if rank == 0 else checkpoint + "-not-on-this-node")
+    if rank == 0:
+        results.put(("edges", edges))
+
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(model_cache) -> dict[str, tuple]:
-    """The script on two shards, for every family of ``SHARDED``, in two spawned processes."""
+def edge_checkpoint(model_cache, tmp_path_factory) -> str:
+    """A training checkpoint of run "b" as ``edge_script`` creates it, for its load."""
+    from adapters.trainer.actor import MultiLoRATrainer
+    from adapters.trainer.interface import LoraSpec
+
+    trainer = MultiLoRATrainer(str(family_dir(UNTIED)))
+    trainer.create("b", LoraSpec(rank=4, seed=2))
+    directory = str(tmp_path_factory.mktemp("edge") / "b")
+    trainer.save_state("b", directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(model_cache, edge_checkpoint) -> dict[str, tuple]:
+    """The scripts on two shards, for every family of ``SHARDED``, in two spawned processes."""
     directories = [str(family_dir(name)) for name in SHARDED]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     address = f"127.0.0.1:{free_port()}"
-    shards = [context.Process(target=_shard, args=(rank, 2, address, directories, results)) for rank in range(2)]
+    shards = [context.Process(target=_shard, args=(rank, 2, address, directories, edge_checkpoint, results))
+              for rank in range(2)]
     for process in shards:
         process.start()
     found = {}
+    deadline = time.monotonic() + 600
     try:
-        for _ in [*directories, "isolation"]:
-            directory, outcome = results.get(timeout=600)
+        while len(found) < len(directories) + 2:
+            try:
+                directory, outcome = results.get(timeout=2)
+            except queue.Empty:  # a shard that died (its traceback is in the captured output) fails this at once
+                assert all(p.is_alive() for p in shards), [p.exitcode for p in shards]
+                assert time.monotonic() < deadline, "the shards did not finish in 10 minutes"
+                continue
             found[Path(directory).name] = outcome
     finally:
         for process in shards:
@@ -176,3 +241,28 @@ def test_a_request_that_fails_on_one_shard_fails_alone(sharded_runs, model_cache
     for got, plain_got, want in zip(stepped, plain_stepped, alone_stepped, strict=True):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5) and want["grad_norm"] > 0
         assert plain_got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+def test_batches_that_leave_a_shard_out_of_the_loss_run_as_on_one_trainer(sharded_runs, edge_checkpoint):
+    """A shard with no datum, or only forward-only ones, or a forward-only one first, and a batch that trains nothing:
+    on a model whose head is its own FSDP2 unit, every one runs and equals the plain trainer, as do repeated scores;
+    a checkpoint one shard cannot read fails the load on every shard, changes nothing, and the next batch runs."""
+    from adapters.trainer.actor import MultiLoRATrainer
+    from shims.errors import UserError
+
+    plain = edge_script(MultiLoRATrainer(str(family_dir(UNTIED)), recompute_tokens=64), edge_checkpoint)
+    split = sharded_runs["edges"]
+    assert plain[-2] == "loaded"
+    assert isinstance(split[-2], UserError) and "could not be read by every trainer shard" in str(split[-2])
+    plain = plain[:-2] + plain[-1:]
+    split = split[:-2] + split[-1:]
+    for got, want in zip(split, plain, strict=True):
+        if isinstance(want, list) and want and isinstance(want[0], float):  # a score
+            np.testing.assert_allclose(got, want, atol=1e-5)
+            continue
+        for a, b in zip(got, want, strict=True):
+            assert type(a) is type(b), (a, b)
+            if isinstance(b, dict):  # an optim step
+                assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+            elif not isinstance(b, Exception):
+                assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5)

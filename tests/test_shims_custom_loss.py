@@ -15,7 +15,7 @@ from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_hand
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from shims.custom_loss import ops
-from shims.custom_loss.batch import CustomLossBatch
+from shims.custom_loss.batch import CustomLossBatch, combined_metrics
 from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
 from shims.custom_loss.run import check_custom_datum, run_datum
 from shims.errors import UserError
@@ -78,8 +78,8 @@ def test_traced_losses_give_the_sdk_client_side_loss_metrics_and_gradient(fn):
     server_loss = sum(batch.datum(lp, ins) for lp, ins in zip(logprobs, inputs))
     server_grads = torch.autograd.grad(server_loss, logprobs)
     assert float(server_loss.detach()) == float(client_loss.detach())
-    assert batch.metrics() == pytest.approx(client_metrics, rel=1e-6)
-    assert set(batch.metrics()) == set(client_metrics)
+    assert combined_metrics([batch.tally()]) == pytest.approx(client_metrics, rel=1e-6)
+    assert set(combined_metrics([batch.tally()])) == set(client_metrics)
     for a, b in zip(server_grads, client_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -152,3 +152,19 @@ def test_a_run_steps_at_most_once_per_call(trainers):
     first, second = trainer.optim_steps([OptimRequest("a", AdamHyper()), OptimRequest("a", AdamHyper())])
     assert isinstance(second, UserError) and "already steps" in str(second)
     assert first["step"] == trainer.adapters["a"].step
+
+
+def test_a_routed_expert_pair_gets_a_dimuon_direction_per_expert():
+    """A MoE LoRA pair is one matrix per expert, (experts, rows, columns): each expert's direction is its own
+    momentum's polar factor at norm sqrt(rank), as a 2-D matrix's is; an expert with no momentum does not move (the
+    per-expert SVD once failed on the 3-D tensor, for every MoE family)."""
+    from adapters.trainer.dimuon import direction
+
+    momentum = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0))
+    momentum[1] = 0
+    per_expert = direction(momentum, rank=4)
+    for expert in range(3):
+        torch.testing.assert_close(per_expert[expert], direction(momentum[expert], rank=4))
+    assert float(per_expert[0].norm()) == pytest.approx(2.0, rel=1e-5) and not per_expert[1].any()
+    u, _, vh = torch.linalg.svd(momentum[2].double(), full_matrices=False)
+    torch.testing.assert_close(per_expert[2], (u @ vh * (2.0 / (u @ vh).norm())).float())

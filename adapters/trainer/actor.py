@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -43,10 +44,12 @@ from adapters.trainer.interface import (
 )
 from adapters.trainer.optim import Optimizers
 from adapters.trainer.passes import ModelPasses
-from adapters.trainer.shards import Shards, ShardSpec, load_base, local_device, resident_bytes
+from adapters.trainer.shards import Shards, ShardSpec, load_base, local_device, on_rank_zero, resident_bytes
 from adapters.trainer.table import AdapterTable
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
+
+T = TypeVar("T")
 
 __all__ = ["LORA_ALPHA", "MAX_LORA_RANK", "AdamHyper", "DimuonHyper", "LoraSpec", "ModelFacts", "MultiLoRATrainer",
            "StepRequest", "StepResult", "read_lora_spec"]
@@ -149,7 +152,8 @@ class MultiLoRATrainer:
         as a temporary adapter, in no run's slot."""
         probe = None
         if directory is not None:
-            probe = self.files.staged(Path(directory), read_lora_spec(Path(directory)), with_optimizer=False)
+            probe = self._read_on_every_shard(
+                lambda: self.files.staged(Path(directory), read_lora_spec(Path(directory)), with_optimizer=False))
         try:
             datum = DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64)) if self.shards.writes else None
             return self.passes.score(datum, None if probe is None else probe.name, tokens[1:])
@@ -158,27 +162,42 @@ class MultiLoRATrainer:
                 self.adapters.discard(probe)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
+    # Every shard holds the same adapters and optimizer state: rank 0 alone writes them (``on_rank_zero``).
+    @on_rank_zero
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
-        self._write(self.files.save_for_sampler, model_id, directory)
+        self.files.save_for_sampler(model_id, directory)
 
+    @on_rank_zero
     def save_for_export(self, model_id: str, directory: str) -> None:
         """Write the adapter for download, named as hosted Tinker names it."""
-        self._write(self.files.save_for_export, model_id, directory)
+        self.files.save_for_export(model_id, directory)
 
+    @on_rank_zero
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
-        self._write(self.files.save_state, model_id, directory)
-
-    def _write(self, write: Callable[[str, str], None], model_id: str, directory: str) -> None:
-        """Every shard holds the same adapters and optimizer state, so rank 0 alone writes them; the others only
-        check the run is there (so that each fails as rank 0 does)."""
-        if self.shards.writes:
-            write(model_id, directory)
-        else:
-            self.adapters.get_run(model_id)
+        self.files.save_state(model_id, directory)
 
     def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
         """Replace (or create) ``model_id``'s adapter with the checkpoint's weights, and optionally its optimizer
         (without it, fresh AdamW moments, as Tinker's ``load_state`` does). Returns the layout loaded."""
-        return self.files.load_state(model_id, directory, with_optimizer)
+        staged, spec = self._read_on_every_shard(lambda: self.files.stage_state(model_id, directory, with_optimizer))
+        self.adapters.install(model_id, staged)
+        return spec
+
+    def _read_on_every_shard(self, read: Callable[[], T]) -> T:
+        """``read()`` (staging an adapter from a checkpoint's files), and whether every shard could: a shard that
+        cannot read it (another node that does not see the file, or a file deleted between two shards' reads) fails
+        the call on every shard alike, before any of them changes a run or starts a pass the others must join."""
+        try:
+            value, error = read(), None
+        except Exception as exc:  # noqa: BLE001 - said to every shard, then raised as the caller's error
+            value, error = None, exc if isinstance(exc, UserError) else UserError(f"the checkpoint could not be "
+                                                                                  f"read: {exc}")
+        if self.shards.agreed(error is None):
+            return value
+        staged = value[0] if isinstance(value, tuple) else value
+        if staged is not None:
+            self.adapters.discard(staged)
+        raise error or UserError("the checkpoint could not be read by every trainer shard; on a Ray cluster, "
+                                 "--storage-dir must be one filesystem every node sees")

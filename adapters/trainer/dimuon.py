@@ -8,7 +8,8 @@ and normalisation epsilon are internal. Implemented here, for every LoRA matrix 
 
     M ← beta1 · M + (1 − beta1) · G                      (G: the clipped gradient; M starts at 0)
     D = sqrt(r) · polar(M) / ‖polar(M)‖_F                (polar(M) = U Vᵀ from M's SVD, singular values ≤ EPS·σ_max
-                                                           dropped; D = 0 when M = 0)
+                                                           dropped; D = 0 when M = 0; for a routed expert's 3-D
+                                                           pair, per expert)
     W ← W − learning_rate · D
 
 The polar factor is computed exactly (an SVD of a rank-r matrix is cheap) instead of by Newton–Schulz iterations;
@@ -28,13 +29,17 @@ strength (a rank-deficient gradient, e.g. from fewer trained tokens than the LoR
 
 
 def direction(momentum: torch.Tensor, rank: int) -> torch.Tensor:
-    """The step direction of one LoRA matrix: its momentum's polar factor with Frobenius norm sqrt(rank)."""
-    u, s, vh = torch.linalg.svd(momentum.double(), full_matrices=False)
-    if not s.numel() or float(s[0]) == 0.0:
+    """The step direction of one LoRA matrix: its momentum's polar factor with Frobenius norm sqrt(rank). A routed
+    expert's pair is one matrix per expert (``(experts, rows, columns)``): each expert's gets its own direction."""
+    if not momentum.numel():
         return torch.zeros_like(momentum)
-    keep = s > EPS * s[0]
-    polar = u[:, keep] @ vh[keep]
-    return (polar * (math.sqrt(rank) / polar.norm())).to(momentum.dtype)
+    u, s, vh = torch.linalg.svd(momentum.double(), full_matrices=False)
+    top = s[..., :1]
+    keep = (s > EPS * top) & (top > 0)
+    polar = (u * keep.unsqueeze(-2)) @ vh
+    norm = polar.norm(dim=(-2, -1), keepdim=True)
+    scaled = torch.where(norm > 0, polar * (math.sqrt(rank) / norm.clamp_min(torch.finfo(norm.dtype).tiny)), 0.0)
+    return scaled.to(momentum.dtype)
 
 
 class Dimuon(torch.optim.Optimizer):

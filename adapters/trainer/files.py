@@ -66,11 +66,10 @@ class CheckpointFiles:
             (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step,
                                                                      "lora": asdict(adapter.spec)}))
 
-    def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
-        """Replace (or create) ``model_id``'s adapter with the checkpoint's weights, and optionally its optimizer.
-
-        Without the optimizer the adapter gets fresh AdamW moments, as Tinker's ``load_state`` does.
-        """
+    def stage_state(self, model_id: str, directory: str, with_optimizer: bool) -> tuple[Adapter, LoraSpec]:
+        """A temporary adapter holding the checkpoint's weights for ``model_id``, and optionally its optimizer; the
+        caller installs it in the run's place (``AdapterTable.install``) or discards it. Without the optimizer the
+        adapter gets fresh AdamW moments, as Tinker's ``load_state`` does."""
         src = Path(directory)
         spec = read_lora_spec(src)
         if not with_optimizer and model_id in self.table:  # weights only: the run keeps its optimizer family
@@ -78,8 +77,7 @@ class CheckpointFiles:
         if with_optimizer and not (src / OPTIMIZER_STATE).exists():
             raise UserError("this checkpoint has no optimizer state (sampler weights); load it without the optimizer")
         # Built beside the run's current adapter, swapped in only once complete.
-        self.table.install(model_id, self.staged(src, spec, with_optimizer))
-        return spec
+        return self.staged(src, spec, with_optimizer), spec
 
     def staged(self, src: Path, spec: LoraSpec, with_optimizer: bool) -> Adapter:
         """A temporary adapter holding the checkpoint in ``src`` (in either naming, at its own alpha / rank), and its

@@ -119,6 +119,9 @@ class MixedForward:
             self._run_isolated([item], outcomes, started)
 
     def _run_mixed(self, ready: list[Ready], outcomes: list[StepResult | UserError | None], started: float) -> None:
+        """One forward over this shard's datums of the batch, each request's loss on its own rows, the requests'
+        failures agreed on by every shard, one backward for the requests that train, and (on rank 0) every request's
+        outcome from what every shard computed of it."""
         # The batch's datums in row order, and the ones this shard runs (all of them on a plain trainer).
         datums = [(position, offset) for position, (_, request, _, _) in enumerate(ready)
                   for offset in range(len(request.data))]
@@ -181,12 +184,7 @@ class MixedForward:
                 loss = part.custom.datum(target_logprobs, inputs)
             else:
                 loss = datum_loss(request.loss_fn, target_logprobs, inputs, config)
-        except UserError as exc:
-            part.error = exc
-            return
-        except Exception as exc:
-            if custom is None:
-                raise
+        except Exception as exc:  # noqa: BLE001 - this request's own failure (the shared forward is done)
             part.error = _failed(request, exc)
             return
         part.total = loss if part.total is None else part.total + loss
@@ -232,12 +230,9 @@ class MixedForward:
         root = torch.stack(trained).sum() if trained else hidden.sum() * 0.0
         inputs = learning + ([probe] if probe is not None else [])
         grads = list(torch.autograd.grad(root, inputs, allow_unused=True))[: len(learning)]
-        if self.shards.world > 1:
-            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                              for p, g in zip(learning, grads, strict=True)])
-            self.shards.sum(flat)
-            grads = list(torch.split(flat, [p.numel() for p in learning]))
-            grads = [g.view_as(p) for g, p in zip(grads, learning, strict=True)]
+        if self.shards.world > 1:  # every shard sums the same list, a gradient it has none of as zeros
+            grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(learning, grads, strict=True)]
+            self.shards.sum_all(grads)
         with torch.no_grad():
             for param, grad in zip(learning, grads, strict=True):
                 if grad is None:
@@ -246,6 +241,7 @@ class MixedForward:
                     param.grad = grad.contiguous()
                 else:
                     param.grad += grad
+
 
 def _failed(request: StepRequest, exc: Exception) -> UserError | Exception:
     """What a request that failed on its own gets: a user error when its custom loss (the client's code) failed

@@ -15,7 +15,6 @@ it restarts are refused at once, saying so. A single trainer is restarted the sa
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -33,15 +32,15 @@ from shims.errors import ConfigurationRefused
 
 log = logging.getLogger("compat_server.trainer")
 
-PLACEMENT_WAIT_SECONDS = 120.0
-"""How long a placement group for the shards may wait for room in the cluster before the start is refused."""
 DISAGREEMENT_WAIT_SECONDS = 60.0
 """How long the other shards may still run once one shard failed a call: longer, and they wait in a collective for
 the one that gave up, and the group restarts."""
 RESTART_RETRY_SECONDS = 5.0
 
-_reloading = contextvars.ContextVar("reloading", default=False)
-"""Set while ``on_restart`` reloads the runs: its calls go through although the group is not yet open to others."""
+def _died(failure: BaseException | None) -> bool:
+    """Whether a call failed because its actor's process is gone (not because the actor was briefly out of reach:
+    Ray's ``ActorUnavailableError``, which a later call may not meet)."""
+    return isinstance(failure, ActorUnavailable) and not isinstance(failure, ActorRestarting)
 
 
 @ray.remote(num_cpus=0)
@@ -71,6 +70,9 @@ class TrainerGroup:
         self._open = False
         self._restarting: asyncio.Task | None = None
         self._why = ""
+        """Why the group is restarting."""
+        self._again: str | None = None
+        """A fault met while the runs were being reloaded after a restart: restart once more."""
         self._pings: list[asyncio.Task | None] = []
 
     @property
@@ -117,30 +119,35 @@ class TrainerGroup:
 
     async def _place(self):
         """One bundle per shard, packed on as few nodes as hold them; refused, naming what is missing, if the
-        cluster cannot hold them within ``PLACEMENT_WAIT_SECONDS``."""
+        cluster cannot hold them within ``--placement-timeout`` seconds."""
         bundle = self.placement.bundle()
         group = placement_group([bundle] * self.size, strategy="PACK")
         try:
-            await asyncio.wait_for(group.ready(), PLACEMENT_WAIT_SECONDS)
+            await asyncio.wait_for(group.ready(), self.placement.placement_timeout)
         except TimeoutError:
             remove_placement_group(group)
             free = {name: ray.available_resources().get(name, 0.0) for name in bundle}
             raise ConfigurationRefused(
                 f"the Ray cluster cannot place the {self.size} trainer shards of {self.name} (--trainer-shards "
-                f"{self.size}), each needing {bundle}: it has {free} free; add nodes or devices, or lower "
-                "--trainer-shards, --trainer-cpus or --trainer-gpus") from None
+                f"{self.size}), each needing {bundle}: it has {free} free after {self.placement.placement_timeout:g} s "
+                "(--placement-timeout); add nodes or devices, or lower --trainer-shards, --trainer-cpus or "
+                "--trainer-gpus") from None
         return group
 
     # ---- calling ----------------------------------------------------------------------------------------------------
     async def call(self, method: str, *args, **kwargs):
-        """``method`` on every shard; rank 0's result, or its error. A dead shard, or shards that disagree, restart
-        the group and fail the call as a trainer that crashed."""
-        if not self._open and not _reloading.get():
-            raise ActorRestarting(f"{self.what} is restarting ({self._why}); retry once it is back")
+        """``method`` on every shard (on rank 0 alone for a method marked ``on_rank_zero``); rank 0's result, or its
+        error. A dead shard, or shards that disagree, restart the group and fail the call as a trainer that
+        crashed."""
+        if not self._open and asyncio.current_task() is not self._restarting:  # the reload's own calls go through
+            raise ActorUnavailable(f"{self.what} is not available: {self._why}; it is restarting, and its training "
+                                   "runs come back from their last checkpoints")
         return (await self._all(method, args, kwargs))[0]
 
     async def _all(self, method: str, args: tuple, kwargs: dict) -> list:
         actors = self.actors
+        if len(actors) > 1 and getattr(getattr(MultiLoRATrainer, method, None), "on_rank_zero", False):
+            actors = actors[:1]
         refs = [getattr(actor, method).remote(*args, **kwargs) for actor in actors]  # submitted in one go: same order
         tasks = [asyncio.ensure_future(await_call(ref, self.what, method, cancel=len(refs) == 1)) for ref in refs]
         for task in tasks:  # a caller that stops waiting leaves the shards' calls to finish, their errors read
@@ -151,8 +158,7 @@ class TrainerGroup:
             if len(tasks) == 1:
                 tasks[0].cancel()
             raise
-        dead = next((rank for rank, t in enumerate(tasks) if t in done and isinstance(t.exception(), ActorUnavailable)),
-                    None)
+        dead = next((rank for rank, t in enumerate(tasks) if t in done and _died(t.exception())), None)
         if pending and dead is None:  # one shard failed; the others may be waiting for it in a collective
             _, pending = await asyncio.wait(pending, timeout=DISAGREEMENT_WAIT_SECONDS)
         failures = [t.exception() if t.done() else None for t in tasks]
@@ -168,7 +174,7 @@ class TrainerGroup:
             if failures[0] is not None:
                 raise failures[0]
             return [t.result() for t in tasks]
-        self._fault(why, actors)
+        self._fault(why, self.actors)
         raise ActorUnavailable(f"{self.what} is not available: {why}; it restarts, and its training runs come back "
                                "from their last checkpoints")
 
@@ -191,42 +197,52 @@ class TrainerGroup:
         actors = self.actors
         try:
             facts = await await_call(actor.model_facts.remote(), self.what, "model_facts", cancel=False)
-        except ActorUnavailable:
-            self._fault(f"{self._process(rank)} died", actors)
+        except Exception as exc:  # noqa: BLE001 - a question unanswered, for whatever reason, is asked again
+            if _died(exc):
+                self._fault(f"{self._process(rank)} died", actors)
             return
         if actors is self.actors:
             self.facts[rank] = facts  # what it holds now
 
     def _fault(self, why: str, actors: list) -> None:
-        """The group ``actors`` cannot go on: kill every shard and start again (once, however many calls saw it)."""
-        if actors is not self.actors or (self._restarting is not None and not self._restarting.done()):
+        """The group ``actors`` cannot go on: kill every shard and start again (once, however many calls saw it; a
+        fault while the runs are being reloaded after a restart starts it again once the reload is over)."""
+        if actors is not self.actors:
+            return
+        if self._restarting is not None and not self._restarting.done():
+            self._again = why
             return
         self._open, self._why = False, why
         log.warning("%s: %s; restarting it", self.what, why, extra={"event": "trainer_failed"})
         self._restarting = asyncio.get_running_loop().create_task(self._restart())
 
     async def _restart(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
         while True:
-            try:
-                await self.start()
+            self._again = None
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            while True:
+                try:
+                    await self.start()
+                    break
+                except Exception as exc:  # noqa: BLE001 - keep trying: the cluster may need time to free devices
+                    log.warning("%s could not restart (%s); trying again in %.0f s", self.what, exc,
+                                RESTART_RETRY_SECONDS)
+                    for actor in self.actors:
+                        ray.kill(actor, no_restart=True)
+                    await asyncio.sleep(RESTART_RETRY_SECONDS)
+            self.restarts += 1
+            log.warning("%s restarted (pid %s); reloading its training runs", self.what,
+                        ", ".join(str(f.pid) for f in self.facts))
+            if self.on_restart is not None:
+                try:
+                    await self.on_restart()  # its calls go through (``call``)
+                except Exception:  # runs that did not come back are marked so by the reload itself
+                    log.exception("%s: reloading its training runs failed", self.what)
+            if self._again is None:
                 break
-            except Exception as exc:  # noqa: BLE001 - keep trying: the cluster may need time to free the devices
-                log.warning("%s could not restart (%s); trying again in %.0f s", self.what, exc,
-                            RESTART_RETRY_SECONDS)
-                for actor in self.actors:
-                    ray.kill(actor, no_restart=True)
-                await asyncio.sleep(RESTART_RETRY_SECONDS)
-        self.restarts += 1
-        log.warning("%s restarted (pid %s); reloading its training runs", self.what,
-                    ", ".join(str(f.pid) for f in self.facts))
-        if self.on_restart is not None:
-            _reloading.set(True)  # this task's context only: the reload's own calls
-            try:
-                await self.on_restart()
-            except Exception:
-                log.exception("%s: reloading its training runs failed", self.what)
+            self._why = self._again
+            log.warning("%s: %s while its runs were reloaded; restarting it again", self.what, self._why)
         self.open()
 
     def stop(self) -> None:

@@ -67,19 +67,26 @@ class ModelPasses:
 
     def score(self, data: DatumArrays | None, name: str | None, targets: list[int]) -> list[float] | None:
         """Logprobs of ``targets`` after ``data`` through adapter ``name`` (None: the base model), without
-        gradients. On a sharded trainer rank 0 scores the datum and the other shards (``data`` None) take part."""
+        gradients. On a sharded trainer rank 0 scores the datum and the other shards (``data`` None) take part in
+        its forward; a failure of rank 0's own scoring, after it, fails the call on every shard alike."""
         try:
             with torch.no_grad():
                 hidden, _ = self.hidden([data if data is not None else IDLE_ROW], [name])
-                if data is None:
-                    return None
-                return self.target_logprobs(hidden[0], name, torch.tensor(targets, device=self.device)).cpu().tolist()
+                logprobs, error = None, None
+                if data is not None:
+                    try:
+                        logprobs = self.target_logprobs(hidden[0], name, torch.tensor(targets, device=self.device))
+                    except Exception as exc:  # noqa: BLE001 - said to the other shards, then raised
+                        error = exc
         except Exception as exc:
-            if self.shards.sharded:
+            if self.shards.sharded:  # inside the forward's collectives: the other shards wait for this one
                 self.shards.fatal(exc)
             raise
         finally:
             self.shards.settle(self.base)
+        if not self.shards.agreed(error is None):
+            raise error or RuntimeError("scoring failed on the trainer's rank 0")
+        return None if logprobs is None else logprobs.cpu().tolist()
 
     def target_logprobs(self, hidden: torch.Tensor, name: str | None, targets: torch.Tensor) -> torch.Tensor:
         """Logprobs of ``targets`` (one per position, or ``[positions, k]``) from one datum's final hidden states,

@@ -21,6 +21,8 @@ class TrainerPlacement:
     """Training batches of at least this many tokens checkpoint each decoder layer (``adapters.trainer.recompute``)."""
     shards: int = 1
     """Processes (devices) each base model's trainer is split over (``adapters.trainer.shards``)."""
+    placement_timeout: float = 120.0
+    """Seconds the shards' placement group may wait for room in the cluster before the start is refused."""
 
     def bundle(self) -> dict[str, float]:
         """One shard's Ray resources, as a placement group bundle."""

@@ -40,9 +40,20 @@ T = TypeVar("T")
 SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 """Set on a shard's actor, Ray leaves ``CUDA_VISIBLE_DEVICES`` alone: the shard sees its node's GPUs (``local_device``)."""
 
+BUCKET_ELEMENTS = 1 << 23
+"""Gradient elements summed over the shards in one collective (32 MiB in float32)."""
+
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """How long a shard waits in one collective for the others. A shard that died is noticed by the pool long before
 (its process is gone); this only bounds a wait no process failure explains."""
+
+
+def on_rank_zero(method: Callable) -> Callable:
+    """Marks a trainer method only rank 0 of a sharded trainer runs (``adapters.trainer.group``): one that reads what
+    every shard holds alike and changes nothing, with no collective (writing a checkpoint). The others need not wait
+    for it, and its failure (a full disk) is that call's own, not a disagreement between the shards."""
+    method.on_rank_zero = True
+    return method
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,27 @@ class Shards:
             dist.all_reduce(tensor)
         return tensor
 
+    def sum_all(self, tensors: list[torch.Tensor]) -> None:
+        """Each of ``tensors`` summed over the shards, in place, a bucket of about ``BUCKET_ELEMENTS`` at a time: few
+        collectives, and never more than one bucket of memory beside the tensors themselves."""
+        if self.world == 1:
+            return
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for tensor in tensors:
+            if bucket and size + tensor.numel() > BUCKET_ELEMENTS:
+                self._sum_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append(tensor)
+            size += tensor.numel()
+        if bucket:
+            self._sum_bucket(bucket)
+
+    def _sum_bucket(self, bucket: list[torch.Tensor]) -> None:
+        flat = self.sum(torch.cat([t.reshape(-1) for t in bucket]))
+        for tensor, summed in zip(bucket, torch.split(flat, [t.numel() for t in bucket]), strict=True):
+            tensor.copy_(summed.view_as(tensor))
+
     def gather(self, value: T) -> list[T] | None:
         """Every shard's ``value`` (picklable), on rank 0 (None on the others)."""
         if self.world == 1:
@@ -119,10 +151,19 @@ class Shards:
         dist.gather_object(value, values, dst=0)
         return values
 
+    def agreed(self, ok: bool) -> bool:
+        """Whether every shard is ``ok``: for what each shard does alone that the others must know of before they go
+        on together (reading a checkpoint from a shared disk that one shard may not see, scoring on rank 0)."""
+        if self.world == 1:
+            return ok
+        failed = self.sum(torch.tensor([0.0 if ok else 1.0], device=self.device))
+        return float(failed.item()) == 0.0
+
     def through_root(self, model: nn.Module, run: Callable[[], T]) -> T:
-        """``run()`` as the forward of the sharded model's root module. FSDP2 prepares a pass, and after its backward
-        puts every layer's weights back in shards, in the root module's hooks, so the passes the trainer composes
-        itself (embedding, decoder, the head chunk by chunk: ``adapters.trainer.forward``) run inside its call."""
+        """``run()`` as the forward of the sharded model's root module, so that FSDP2 prepares the pass in the root
+        module's hooks: the trainer runs the embedding and the decoder itself (``adapters.trainer.passes``), not the
+        model's own forward. The head is scored after, chunk by chunk, on weights FSDP2 keeps gathered from the
+        forward through the backward (``load_base``)."""
         if not self.sharded:
             return run()
         model.forward = run  # an instance attribute, looked up by nn.Module.__call__ before the class's forward
@@ -132,15 +173,12 @@ class Shards:
             del model.forward
 
     def settle(self, model: nn.Module) -> None:
-        """Free every gathered weight after a pass (FSDP2 keeps the last units' weights gathered after a forward
-        for the backward that usually follows): between passes each shard holds only its share."""
-        if not self.sharded:
-            return
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        """End a pass: free every gathered weight (FSDP2 keeps the units outside the decoder layers gathered after a
+        forward, and ``load_base`` after a backward too) and FSDP2's records of the pass, which only a backward
+        clears otherwise, so that scoring and forward-only batches leave nothing behind. Between passes each shard
+        holds only its share."""
+        if self.sharded:
+            model.reset_iter_state()
 
     def fatal(self, exc: BaseException) -> None:
         """A shared pass failed on this shard: the others are waiting for it in a collective, and the pass cannot be
@@ -153,32 +191,55 @@ class Shards:
 
 def load_base(location: str, dtype: torch.dtype, shards: Shards) -> nn.Module:
     """The base model in ``dtype`` on the shard's device. Sharded: built on the meta device and loaded by
-    transformers' own FSDP plan (embeddings, each decoder layer, and the final norm with the head, each one FSDP2
-    unit), each shard reading from the checkpoint only the rows it keeps."""
+    transformers' own FSDP plan for it (the embeddings, each decoder layer, and the final norm with the head, each
+    one FSDP2 unit), each shard reading from the checkpoint only the rows it keeps."""
     from transformers import AutoModelForCausalLM
 
     if not shards.sharded:
         return AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
-    if shards.world > 1:
-        from transformers.distributed import DistributedConfig
+    from transformers.distributed import DistributedConfig
 
+    if shards.world > 1:
         # transformers puts the model on cuda:LOCAL_RANK; a shard's device index is its own (adapters.trainer.group).
         os.environ["LOCAL_RANK"] = str(shards.device.index or 0)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype,
                                                      distributed_config=DistributedConfig(fsdp_size=shards.world))
         _own_copies(model)
-        return model
-    # transformers does not shard over one process; the same units are made here, so one process runs the very
-    # code N shards run (how the sharded path is checked on a single GPU: bench.gpu_smoke).
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    else:
+        # transformers does not shard over one process; its plan is applied here, so one process runs the very code
+        # N shards run (how the sharded path is checked on a single GPU: bench.gpu_smoke).
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
 
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
-    mesh = init_device_mesh(shards.device.type, (1,))
-    for layer in model.get_decoder().layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
+        model.config.distributed_config = DistributedConfig(fsdp_size=1)
+        apply_fully_sharded_data_parallelism(model, _OneMesh(init_device_mesh(shards.device.type, (1,))))
+    _gathered_through_backward(model)
     return model
+
+
+class _OneMesh:
+    """The one-process mesh, as transformers' FSDP plan asks for its meshes."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+
+    def get_mesh(self, name: str):
+        return self.mesh
+
+
+def _gathered_through_backward(model: nn.Module) -> None:
+    """Keep the units outside the decoder layers (the final norm with the head, the embeddings), which transformers'
+    plan keeps gathered after the forward, gathered through the backward too, until ``Shards.settle``. FSDP2 would
+    free them once the head's backward is done and gather them again for the norm's; but a shard whose datums add
+    nothing to the loss (none at all, or only forward-only ones) runs no backward through the head, frees nothing and
+    gathers nothing, and its collectives would no longer pair with the others'."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = {id(layer) for layer in model.get_decoder().layers}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and id(module) not in layers:
+            module.set_reshard_after_backward(False, recurse=False)
 
 
 def _own_copies(model: nn.Module) -> None:

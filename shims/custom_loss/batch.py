@@ -32,9 +32,6 @@ class CustomLossBatch:
         of a sharded trainer that each ran some of the request's datums."""
         return dict(self._sums), self._count
 
-    def metrics(self) -> dict[str, float]:
-        return combined_metrics([self.tally()])
-
 
 def combined_metrics(tallies: Iterable[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The metrics of one request from the tallies of its datums (``CustomLossBatch.tally``): sums, ``:mean`` keys
