@@ -42,12 +42,13 @@ def cluster():
                 "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}"]
 
     nodes = [subprocess.Popen([RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=1",
-                               "--resources", json.dumps({"trainer_node": 1}), "--include-dashboard=false", *common()],
+                               "--resources", json.dumps({"trainer_node": 1, "shard_slot": 1}),
+                               "--include-dashboard=false", *common()],
                               env=env, stdout=log, stderr=subprocess.STDOUT)]
     try:
         _wait_for(lambda: _status(address, env).returncode == 0, "the Ray head", Path(ray_tmp, "nodes.log"))
         nodes.append(subprocess.Popen([RAY, "start", f"--address={address}", "--num-cpus=2", "--resources",
-                                       json.dumps({"sampler_node": 1}), *common()],
+                                       json.dumps({"sampler_node": 1, "shard_slot": 1}), *common()],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
         _wait_for(lambda: "sampler_node" in _status(address, env).stdout, "the second Ray node",
                   Path(ray_tmp, "nodes.log"))
@@ -132,11 +133,12 @@ def test_a_cluster_without_the_gpus_asked_for_is_refused_at_start(cluster, model
 
 @pytest.mark.timeout(600)
 def test_a_trainer_split_over_two_nodes_trains_and_its_sampler_serves_it(cluster, model_cache, tmp_path):
-    """--trainer-shards 2 where no node has room for both shards (the sampler takes one of the worker's two CPUs):
-    one shard on each node, talking through gloo across them, trains an adapter that the sampler then serves."""
+    """--trainer-shards 2 where each node has room for one shard (``shard_slot``): one shard on each node, talking
+    through gloo across them, trains an adapter that the sampler then serves."""
     address, env = cluster
-    server = start_server(tmp_path / "data", "--ray-address", address, "--trainer-shards", "2", "--trainer-cpus", "1",
-                          "--sampler-resource", "sampler_node=1", "--sampler-cpus", "1",
+    server = start_server(tmp_path / "data", "--ray-address", address, "--trainer-shards", "2", "--trainer-cpus", "0.5",
+                          "--trainer-resource", "shard_slot=1", "--sampler-resource", "sampler_node=1",
+                          "--sampler-cpus", "1",
                           "--storage-dir", str(tmp_path / "shared-storage"), env=env)
     try:
         nodes = json.loads(subprocess.run([sys.executable, "-c", NODES.format(address=address)], env=env,

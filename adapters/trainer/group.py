@@ -73,6 +73,7 @@ class TrainerGroup:
         """Why the group is restarting."""
         self._again: str | None = None
         """A fault met while the runs were being reloaded after a restart: restart once more."""
+        self._starting = False
         self._pings: list[asyncio.Task | None] = []
 
     @property
@@ -96,7 +97,11 @@ class TrainerGroup:
             self.location, self.placement.threads, self.placement.max_adapters, self.placement.recompute_tokens,
             ShardSpec(rank, self.size, address) if address else None) for rank in range(self.size)]
         self._pings = [None] * self.size
-        self.facts = await self._all(MultiLoRATrainer.model_facts.__name__, (), {})
+        self._starting = True  # a failure now is the start's, for its caller to handle (``_fault``)
+        try:
+            self.facts = await self._all(MultiLoRATrainer.model_facts.__name__, (), {})
+        finally:
+            self._starting = False
 
     def open(self) -> None:
         """Let calls in (after ``start``, and after a restart once the runs are reloaded)."""
@@ -145,7 +150,7 @@ class TrainerGroup:
         return (await self._all(method, args, kwargs))[0]
 
     async def _all(self, method: str, args: tuple, kwargs: dict) -> list:
-        actors = self.actors
+        group = actors = self.actors
         if len(actors) > 1 and getattr(getattr(MultiLoRATrainer, method, None), "on_rank_zero", False):
             actors = actors[:1]
         refs = [getattr(actor, method).remote(*args, **kwargs) for actor in actors]  # submitted in one go: same order
@@ -174,7 +179,7 @@ class TrainerGroup:
             if failures[0] is not None:
                 raise failures[0]
             return [t.result() for t in tasks]
-        self._fault(why, self.actors)
+        self._fault(why, group)
         raise ActorUnavailable(f"{self.what} is not available: {why}; it restarts, and its training runs come back "
                                "from their last checkpoints")
 
@@ -207,7 +212,7 @@ class TrainerGroup:
     def _fault(self, why: str, actors: list) -> None:
         """The group ``actors`` cannot go on: kill every shard and start again (once, however many calls saw it; a
         fault while the runs are being reloaded after a restart starts it again once the reload is over)."""
-        if actors is not self.actors:
+        if actors is not self.actors or self._starting:
             return
         if self._restarting is not None and not self._restarting.done():
             self._again = why
@@ -219,8 +224,7 @@ class TrainerGroup:
     async def _restart(self) -> None:
         while True:
             self._again = None
-            for actor in self.actors:
-                ray.kill(actor, no_restart=True)
+            self._kill()
             while True:
                 try:
                     await self.start()
@@ -228,8 +232,7 @@ class TrainerGroup:
                 except Exception as exc:  # noqa: BLE001 - keep trying: the cluster may need time to free devices
                     log.warning("%s could not restart (%s); trying again in %.0f s", self.what, exc,
                                 RESTART_RETRY_SECONDS)
-                    for actor in self.actors:
-                        ray.kill(actor, no_restart=True)
+                    self._kill()
                     await asyncio.sleep(RESTART_RETRY_SECONDS)
             self.restarts += 1
             log.warning("%s restarted (pid %s); reloading its training runs", self.what,
@@ -245,13 +248,18 @@ class TrainerGroup:
             log.warning("%s: %s while its runs were reloaded; restarting it again", self.what, self._why)
         self.open()
 
+    def _kill(self) -> None:
+        """Kill every process of the group. The group's list of actors is replaced first, so that the calls and
+        questions this fails are seen to be the old group's (``_fault``), not a fault of the one that follows."""
+        old, self.actors = self.actors, []
+        for actor in old:
+            ray.kill(actor, no_restart=True)
+
     def stop(self) -> None:
         for task in [self._restarting, *self._pings]:
             if task is not None:
                 task.cancel()
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        self.actors = []
+        self._kill()
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
             self._placement_group = None
