@@ -37,6 +37,7 @@ DISAGREEMENT_WAIT_SECONDS = 60.0
 the one that gave up, and the group restarts."""
 RESTART_RETRY_SECONDS = 5.0
 
+
 def _died(failure: BaseException | None) -> bool:
     """Whether a call failed because its actor's process is gone (not because the actor was briefly out of reach:
     Ray's ``ActorUnavailableError``, which a later call may not meet)."""
@@ -179,6 +180,8 @@ class TrainerGroup:
             if failures[0] is not None:
                 raise failures[0]
             return [t.result() for t in tasks]
+        if self._starting:  # a shard that could not start: its own error says why (a model it cannot load)
+            raise next((f for f in failures if f is not None), None) or ActorUnavailable(f"{self.what}: {why}")
         self._fault(why, group)
         raise ActorUnavailable(f"{self.what} is not available: {why}; it restarts, and its training runs come back "
                                "from their last checkpoints")
