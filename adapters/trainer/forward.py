@@ -170,8 +170,8 @@ class MixedForward:
                                          num_tokens=int(sum(d.tokens.size for d in request.data)))
 
     def _datum_loss(self, item: Ready, offset: int, hidden: torch.Tensor, part: _Part) -> None:
-        """Add one datum's loss and output to its request's part; a ``UserError`` for a loss the client got wrong
-        (a custom loss that fails) is recorded as the part's error."""
+        """Add one datum's loss and output to its request's part; a failure of its loss (a custom loss the client got
+        wrong, or a server error of this request alone) is recorded as the part's error."""
         _, request, adapter, config = item
         d = request.data[offset]
         custom = request.custom_loss
@@ -185,7 +185,7 @@ class MixedForward:
             else:
                 loss = datum_loss(request.loss_fn, target_logprobs, inputs, config)
         except Exception as exc:  # noqa: BLE001 - this request's own failure (the shared forward is done)
-            part.error = _failed(request, exc)
+            part.error = _failed(request, exc.with_traceback(None))  # not the activations its frames hold
             return
         part.total = loss if part.total is None else part.total + loss
         part.logprobs.append(target_logprobs)
