@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 
+from adapters.actors import ActorUnavailable
 from adapters.trainer.actor import MultiLoRATrainer
 from adapters.trainer.group import TrainerGroup
 from adapters.trainer.interface import LoraSpec
@@ -84,3 +85,58 @@ def test_each_operation_is_one_call_of_the_actor_method_of_its_name(operation, a
     for rank, actor in enumerate(group.actors):
         assert actor.calls == ([] if rank and rank_zero else [(operation, args, {})])
     assert answer == (None if operation not in {"load_state", "score"} else f"{operation} done")
+
+
+def test_a_call_in_flight_when_the_trainer_dies_says_which_process_died_whoever_noticed_first(monkeypatch):
+    """The pool's question to the trainer meets its death first, and the restart begins; the call in flight, failing
+    after, says the same as a call made during the restart: which process of which group died (not Ray's text, nor
+    the new process's pid)."""
+    from ray.exceptions import RayActorError
+
+    import adapters.trainer.group as group_module
+    from adapters.trainer.interface import ModelFacts
+
+    answers: dict[str, asyncio.Future] = {}
+
+    class Dying:
+        def __getattr__(self, method: str):
+            class Remote:
+                @staticmethod
+                def remote(*args, **kwargs):
+                    answers[method] = asyncio.get_running_loop().create_future()
+                    return answers[method]
+            return Remote
+
+    async def scenario() -> list[str]:
+        group = TrainerGroup("base", "/model", TrainerPlacement())
+        group.actors = [Dying()]
+        group.facts = [ModelFacts(vocab_size=8, max_context=8, arch="x", device="cpu", pid=7)]
+        group._pings = [None]
+        group.open()
+        restarted = asyncio.Event()
+
+        async def start() -> None:  # the new process: still loading while the old call fails
+            group.facts = [ModelFacts(vocab_size=8, max_context=8, arch="x", device="cpu", pid=8)]
+            restarted.set()
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(group, "start", start)
+        monkeypatch.setattr(group_module.ray, "kill", lambda *args, **kwargs: None)
+        in_flight = asyncio.ensure_future(group.call("run_batch", []))
+        await asyncio.sleep(0)
+        group.check()
+        await asyncio.sleep(0)
+        answers["model_facts"].set_exception(RayActorError())
+        await restarted.wait()
+        answers["run_batch"].set_exception(RayActorError())
+        said = []
+        for call in (in_flight, group.call("run_batch", [])):
+            with pytest.raises(ActorUnavailable) as failed:
+                await call
+            said.append(str(failed.value))
+        group._restarting.cancel()
+        return said
+
+    said = ("trainer for base is not available: its process (pid 7) died; it restarts, and its training runs come back "
+            "from their last checkpoints")
+    assert asyncio.run(scenario()) == [said, said]

@@ -74,7 +74,6 @@ class TrainerGroup:
         """Why the group is restarting."""
         self._again: str | None = None
         """A fault met while the runs were being reloaded after a restart: restart once more."""
-        self._starting = False
         self._pings: list[asyncio.Task | None] = []
 
     @property
@@ -98,11 +97,7 @@ class TrainerGroup:
             self.location, self.placement.threads, self.placement.max_adapters, self.placement.recompute_tokens,
             ShardSpec(rank, self.size, address) if address else None) for rank in range(self.size)]
         self._pings = [None] * self.size
-        self._starting = True  # a failure now is the start's, for its caller to handle (``_fault``)
-        try:
-            self.facts = await self._all(MultiLoRATrainer.model_facts.__name__, (), {})
-        finally:
-            self._starting = False
+        self.facts = await self._all(MultiLoRATrainer.model_facts.__name__, (), {}, starting=True)
 
     def open(self) -> None:
         """Let calls in (after ``start``, and after a restart once the runs are reloaded)."""
@@ -146,12 +141,19 @@ class TrainerGroup:
         error. A dead shard, or shards that disagree, restart the group and fail the call as a trainer that
         crashed."""
         if not self._open and asyncio.current_task() is not self._restarting:  # the reload's own calls go through
-            raise ActorUnavailable(f"{self.what} is not available: {self._why}; it is restarting, and its training "
-                                   "runs come back from their last checkpoints")
+            raise self._unavailable(self._why)
         return (await self._all(method, args, kwargs))[0]
 
-    async def _all(self, method: str, args: tuple, kwargs: dict) -> list:
+    def _unavailable(self, why: str) -> ActorUnavailable:
+        """What a call the group could not run gets: the same words in flight and while it restarts."""
+        return ActorUnavailable(f"{self.what} is not available: {why}; it restarts, and its training runs come back "
+                                "from their last checkpoints")
+
+    async def _all(self, method: str, args: tuple, kwargs: dict, starting: bool = False) -> list:
+        """``method`` on the shards (``call``). ``starting``: the group's first call, whose failure is the start's,
+        for its caller to report (a shard that cannot load the model says why in its own error)."""
         group = actors = self.actors
+        facts = self.facts  # of this group, whatever a restart does meanwhile
         if len(actors) > 1 and getattr(getattr(MultiLoRATrainer, method, None), "on_rank_zero", False):
             actors = actors[:1]
         refs = [getattr(actor, method).remote(*args, **kwargs) for actor in actors]  # submitted in one go: same order
@@ -169,10 +171,10 @@ class TrainerGroup:
             _, pending = await asyncio.wait(pending, timeout=DISAGREEMENT_WAIT_SECONDS)
         failures = [t.exception() if t.done() else None for t in tasks]
         if dead is not None:
-            why = f"{self._process(dead)} died"
+            why = f"{self._process(dead, facts)} died"
         elif pending:
             failed = next(rank for rank, failure in enumerate(failures) if failure is not None)
-            why = f"{self._process(failed)} failed {method} ({failures[failed]}) while the others went on"
+            why = f"{self._process(failed, facts)} failed {method} ({failures[failed]}) while the others went on"
         elif any(failures) and not all(type(f) is type(failures[0]) for f in failures):
             why = f"its shards disagreed on {method}: " + "; ".join(
                 f"shard {rank}: {failure or 'done'}" for rank, failure in enumerate(failures))
@@ -180,15 +182,14 @@ class TrainerGroup:
             if failures[0] is not None:
                 raise failures[0]
             return [t.result() for t in tasks]
-        if self._starting:  # a shard that could not start: its own error says why (a model it cannot load)
+        if starting:
             raise next((f for f in failures if f is not None), None) or ActorUnavailable(f"{self.what}: {why}")
         self._fault(why, group)
-        raise ActorUnavailable(f"{self.what} is not available: {why}; it restarts, and its training runs come back "
-                               "from their last checkpoints")
+        raise self._unavailable(why)
 
-    def _process(self, rank: int) -> str:
-        """How a log line names the process of shard ``rank``."""
-        pid = f"pid {self.facts[rank].pid}" if rank < len(self.facts) else "starting"
+    def _process(self, rank: int, facts: list[ModelFacts]) -> str:
+        """How a log line names the process of shard ``rank`` (``facts``: its group's)."""
+        pid = f"pid {facts[rank].pid}" if rank < len(facts) else "starting"
         return f"its process ({pid})" if self.size == 1 else f"its shard {rank} of {self.size} ({pid})"
 
     # ---- faults -----------------------------------------------------------------------------------------------------
@@ -202,20 +203,20 @@ class TrainerGroup:
                 self._pings[rank] = asyncio.ensure_future(self._ping(rank, actor))
 
     async def _ping(self, rank: int, actor) -> None:
-        actors = self.actors
+        actors, facts = self.actors, self.facts
         try:
-            facts = await await_call(actor.model_facts.remote(), self.what, "model_facts", cancel=False)
+            answer = await await_call(actor.model_facts.remote(), self.what, "model_facts", cancel=False)
         except Exception as exc:  # noqa: BLE001 - a question unanswered, for whatever reason, is asked again
             if _died(exc):
-                self._fault(f"{self._process(rank)} died", actors)
+                self._fault(f"{self._process(rank, facts)} died", actors)
             return
         if actors is self.actors:
-            self.facts[rank] = facts  # what it holds now
+            self.facts[rank] = answer  # what it holds now
 
     def _fault(self, why: str, actors: list) -> None:
         """The group ``actors`` cannot go on: kill every shard and start again (once, however many calls saw it; a
         fault while the runs are being reloaded after a restart starts it again once the reload is over)."""
-        if actors is not self.actors or self._starting:
+        if actors is not self.actors:
             return
         if self._restarting is not None and not self._restarting.done():
             self._again = why
