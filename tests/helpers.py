@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -296,9 +297,9 @@ def crash_the_trainer(server, key: str, process: Callable[[dict], tuple[int, str
     before = trainer()
     pid, named = process(before)
     rng = np.random.default_rng(0)
-    long = [make_datum(rng.integers(0, 400, 1000).tolist(), rng.integers(0, 400, 999).tolist()) for _ in range(12)]
+    long = [make_datum(rng.integers(0, 400, 1000).tolist(), rng.integers(0, 400, 999).tolist()) for _ in range(96)]
     in_flight = unsaved.forward(long, "cross_entropy")
-    time.sleep(1.5)  # the long pass has reached the trainer
+    time.sleep(1.5)  # the long pass has reached the trainer (it takes seconds even on all cores)
     psutil.Process(pid).kill()
     with pytest.raises(tinker.RequestFailedError) as failed:
         in_flight.result()
@@ -325,3 +326,13 @@ def crash_the_trainer(server, key: str, process: Callable[[dict], tuple[int, str
     with pytest.raises(tinker.RequestFailedError, match="trainer restarted"):
         unsaved.forward_backward([datum], "cross_entropy").result()
     return saved, datum
+
+
+def machine_cpus() -> int:
+    """What this process may use, read here independently: its affinity mask, within a cgroup v2 quota."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cpus
+    return cpus if quota == "max" else min(cpus, math.ceil(int(quota) / int(period)))

@@ -16,7 +16,8 @@ PROMPT, TARGET = [5, 9, 33, 71, 2], [80, 81, 82]
 def two_sampler_server(model_cache, tmp_path_factory):
     from tests.server import start_server
 
-    running = start_server(tmp_path_factory.mktemp("two-samplers"), "--samplers", "2", "--sampler-threads", "1")
+    running = start_server(tmp_path_factory.mktemp("two-samplers"), "--samplers", "2", "--sampler-threads", "1",
+                           "--trainer-threads", "1")
     yield running
     running.stop()
 
@@ -36,10 +37,13 @@ def test_adapters_stick_to_one_replica_and_results_are_right(two_sampler_server)
         futures = [(i % 2, samplers[i % 2].sample(prompt, 1, params)) for i in range(12)]
         for which, future in futures:
             assert future.result().sequences[0].tokens == expected[which]
-        metrics = httpx.get(f"{two_sampler_server.base_url}/api/v1/metrics",
-                            headers=two_sampler_server.admin).json()["sampling"][BASE_MODEL]
+        answer = httpx.get(f"{two_sampler_server.base_url}/api/v1/metrics", headers=two_sampler_server.admin).json()
+        metrics = answer["sampling"][BASE_MODEL]
         replicas = metrics["replicas"]
         assert len(replicas) == 2
+        # The operator's thread counts, as each actor reads them inside itself (the default is the machine's CPUs).
+        assert [r["torch_threads"] for r in replicas] == [[1], [1]]
+        assert answer["training"][BASE_MODEL]["torch_threads"] == 1
         assert sum(r["resident_adapters"] for r in replicas) == 2  # each adapter loaded on exactly one replica
         assert metrics["requests"] == 14 and metrics["failed"] == 0
     finally:

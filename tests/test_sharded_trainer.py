@@ -16,7 +16,16 @@ from tinker import types
 
 from shims.losses import LOSSES
 from tests.conftest import SERVER_ARGS
-from tests.helpers import ADAM, BASE_MODEL, checkpoint_dir, crash_the_trainer, forward_logprobs, make_datum, train
+from tests.helpers import (
+    ADAM,
+    BASE_MODEL,
+    checkpoint_dir,
+    crash_the_trainer,
+    forward_logprobs,
+    machine_cpus,
+    make_datum,
+    train,
+)
 from tests.server import RunningServer, start_server
 
 KEY = "tml-test-shards"
@@ -165,6 +174,8 @@ def test_each_shard_holds_half_of_the_base_weights(cluster, tiny_model_dir):
     for shard in shards:
         assert 0.45 * whole < shard["base_bytes"] < 0.55 * whole, (shard, whole)
     assert sum(s["base_bytes"] for s in shards) == pytest.approx(whole, rel=0.02)
+    # Both shards run on this machine, every pass together: each computes with half of its CPUs.
+    assert [s["torch_threads"] for s in shards] == [max(1, machine_cpus() // 2)] * 2
 
 
 def test_a_dead_shard_takes_its_group_down_and_the_runs_come_back(cluster):

@@ -48,6 +48,8 @@ class SamplerFacts:
     """What the base model is held in (float32, bfloat16, ...)."""
     tensor_parallel_size: int = 1
     """Workers the model is split over (``--sampler-tensor-parallel-size``; vLLM only)."""
+    torch_threads: tuple[int, ...] = ()
+    """The torch threads of each process computing for the replica, read in it (``SamplerBackend.torch_threads``)."""
 
 
 class SamplerBackend(Protocol):
@@ -58,6 +60,11 @@ class SamplerBackend(Protocol):
     """Why the backend can no longer serve (its actor is then replaced), or None."""
 
     def facts(self) -> SamplerFacts: ...
+
+    async def torch_threads(self) -> list[int]:
+        """The torch threads each process that computes for this replica runs with (``torch.get_num_threads()``,
+        read where the work runs: one entry per vLLM worker), for the ready line and the metrics."""
+        ...
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
         """Run one request (``job.num_samples`` sequences). Backends batch concurrent calls together. With

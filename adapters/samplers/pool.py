@@ -11,11 +11,12 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 
 from adapters.actors import ActorRestarting, ActorUnavailable, call_actor, ray_node, stream_actor
+from adapters.cpu_threads import actor_environment
 from adapters.logs import configure_logging
 from adapters.models.resolve import BaseModelSpec
 from adapters.samplers.interface import AdapterRef, Restarting, SamplerBackend, SamplerFacts
@@ -58,15 +59,20 @@ class SamplerActor:
     def __init__(self, location: str, placement: SamplerPlacement) -> None:
         configure_logging()
         self.refused: ConfigurationRefused | None = None
+        self.threads: tuple[int, ...] = ()
         try:
             self.impl: SamplerBackend = make_backend(location, placement)
         except ConfigurationRefused as exc:  # raised by ``facts``, the pool's first call, to reach it as itself
             self.refused = exc
 
-    def facts(self) -> SamplerFacts:
+    async def facts(self) -> SamplerFacts:
+        """What the replica serves, and the torch threads it computes with (read once, in its workers, the first
+        time: nothing changes them after)."""
         if self.refused is not None:
             raise self.refused
-        return self.impl.facts()
+        if not self.threads:
+            self.threads = tuple(await self.impl.torch_threads())
+        return replace(self.impl.facts(), torch_threads=self.threads)
 
     def ready(self) -> None:
         """Answers once this replica can serve; raises ``Restarting`` while it is about to be replaced."""
@@ -76,7 +82,8 @@ class SamplerActor:
     def stats(self) -> dict:
         facts = self.impl.facts()
         return {**self.impl.stats(), "resident_limit": facts.max_resident,
-                "tensor_parallel_size": facts.tensor_parallel_size, "node": ray_node(), "pid": os.getpid()}
+                "tensor_parallel_size": facts.tensor_parallel_size, "torch_threads": list(self.threads),
+                "node": ray_node(), "pid": os.getpid()}
 
     async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         return await self.impl.sample(adapter, job)
@@ -152,6 +159,8 @@ class SamplerPool:
         self.placement = placement
         self.bases: dict[str, _BaseReplicas] = {}
         self.facts: dict[str, SamplerFacts] = {}
+        self.torch_threads: dict[str, list[int]] = {}
+        """Per base model, the torch threads of every replica's workers as they started (the ready line)."""
         self._configs: dict[str, dict] = {}
         """``config.json`` of each base model, where its samplers are vLLM (``adapter_refusal``)."""
         if refusal := backend_refusal(placement.backend, placement.vllm.tensor_parallel_size):
@@ -166,18 +175,22 @@ class SamplerPool:
                 # A crashed replica is restarted by Ray (calls in flight fail, never re-run); it reloads adapters on
                 # demand, as after any eviction.
                 _Replica(remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
-                                            max_restarts=-1, max_task_retries=0)
+                                            max_restarts=-1, max_task_retries=0,
+                                            runtime_env={"env_vars": actor_environment()})
                          .remote(spec.location, p))
                 for _ in range(p.count)])
         for name, base in self.bases.items():
             facts = await asyncio.gather(*(call_actor(r.actor, "facts", f"sampler for {name}")
                                            for r in base.replicas))
             self.facts[name] = facts[0]
+            self.torch_threads[name] = [n for f in facts for n in f.torch_threads]
             parallel = f", tensor parallel {facts[0].tensor_parallel_size}" * (facts[0].tensor_parallel_size > 1)
-            log.info("samplers ready: %s × %d (%s on %s%s, up to %d adapters resident each)", name, len(facts),
-                     facts[0].backend, facts[0].device, parallel, facts[0].max_resident,
+            threads = " + ".join(map(str, facts[0].torch_threads))
+            log.info("samplers ready: %s × %d (%s on %s%s, %s torch threads, up to %d adapters resident each)", name,
+                     len(facts), facts[0].backend, facts[0].device, parallel, threads, facts[0].max_resident,
                      extra={"event": "samplers_ready", "base_model": name, "replicas": len(facts),
-                            "backend": facts[0].backend, "tensor_parallel_size": facts[0].tensor_parallel_size})
+                            "backend": facts[0].backend, "tensor_parallel_size": facts[0].tensor_parallel_size,
+                            "torch_threads": [list(f.torch_threads) for f in facts]})
             if facts[0].backend == "vllm":
                 from transformers import AutoConfig
 

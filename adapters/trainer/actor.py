@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from adapters.actors import ray_node
+from adapters.cpu_threads import set_torch_threads
 from adapters.lora.model import LoRAModel
 from adapters.models.resolve import is_vision_language, text_settings
 from adapters.trainer.files import CheckpointFiles
@@ -60,18 +61,18 @@ class MultiLoRATrainer:
 
     def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64,
                  recompute_tokens: int = 4096, shard: ShardSpec | None = None) -> None:
-        """``recompute_tokens``: training batches of at least this many tokens checkpoint each decoder layer
-        (``adapters.trainer.recompute``; 0: never). ``shard``: this process's place in a sharded trainer
-        (``adapters.trainer.shards``; None: the whole model here)."""
+        """``threads``: torch threads (None: this machine's usable CPUs, shared with this trainer's other shards
+        here; ``adapters.cpu_threads``). ``recompute_tokens``: training batches of at least this many tokens
+        checkpoint each decoder layer (``adapters.trainer.recompute``; 0: never). ``shard``: this process's place in
+        a sharded trainer (``adapters.trainer.shards``; None: the whole model here)."""
         from transformers import AutoConfig
 
-        if threads:
-            torch.set_num_threads(threads)
         self.device = local_device()
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         config = AutoConfig.from_pretrained(location)
         text = text_settings(config)  # a vision-language checkpoint trains and serves as its text model
         self.shards = Shards(shard, self.device)
+        set_torch_threads(threads, self.shards.peers_here())
         base = load_base(location, dtype, self.shards)
         base.requires_grad_(False)
         self.model = LoRAModel(base)
@@ -81,7 +82,7 @@ class MultiLoRATrainer:
             arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
             pid=os.getpid(), boot=uuid.uuid4().hex, lora_targets=self.model.describe(),
             shard=self.shards.rank, shards=self.shards.world, backend=self.shards.backend,
-            base_bytes=resident_bytes(base),
+            base_bytes=resident_bytes(base), threads=torch.get_num_threads(),
         )
         self.adapters = AdapterTable(self.model, self.device, max_adapters)
         """The training runs, by ``model_id``."""
@@ -92,8 +93,9 @@ class MultiLoRATrainer:
 
     # ---- adapters -------------------------------------------------------------------------------------------------
     def model_facts(self) -> ModelFacts:
-        """Who this trainer (or shard) is, and what its base model holds now (``base_bytes``)."""
-        return replace(self.facts, base_bytes=resident_bytes(self.model.base))
+        """Who this trainer (or shard) is, and what it holds and runs with now: its base model's bytes, and the
+        threads torch uses on the thread that runs its work (this one: the actor runs one call at a time)."""
+        return replace(self.facts, base_bytes=resident_bytes(self.model.base), threads=torch.get_num_threads())
 
     def create(self, model_id: str, spec: LoraSpec) -> None:
         """Add a freshly initialised adapter (LoRA B = 0, so it starts equal to the base model)."""

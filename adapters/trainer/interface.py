@@ -119,6 +119,8 @@ class ModelFacts:
     """The ``torch.distributed`` backend the shards talk through (``gloo``, ``nccl``); "" for a plain trainer."""
     base_bytes: int = 0
     """Bytes of memory the base model's weights hold in this process (a shard: its share)."""
+    threads: int = 0
+    """The torch threads this process computes with (``torch.get_num_threads()``, read in it)."""
 
 
 @dataclass

@@ -66,11 +66,11 @@ class TrainerPool:
             group.open()
             fact = group.facts[0]
             if group.size > 1:
-                held = ", ".join(f"{f.base_bytes / 2**20:.1f} MiB on {f.device} (pid {f.pid}, node {f.node[:12]})"
-                                 for f in group.facts)
+                held = ", ".join(f"{f.base_bytes / 2**20:.1f} MiB on {f.device} with {f.threads} torch threads "
+                                 f"(pid {f.pid}, node {f.node[:12]})" for f in group.facts)
                 where = f"{group.size} shards over {fact.backend}, base weights {held}"
             else:
-                where = f"{fact.device}, Ray node {fact.node[:12]}"
+                where = f"{fact.device}, {fact.threads} torch threads, Ray node {fact.node[:12]}"
             log.info("trainer ready: %s (%s, vocab %d, context %d, %s); LoRA adapts %s", name, fact.arch,
                      fact.vocab_size, fact.max_context, where,
                      "; ".join(f"{group}: {', '.join(names) or 'nothing'}" for group, names in fact.lora_targets.items()))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -98,6 +99,24 @@ class Shards:
     def writes(self) -> bool:
         """Whether this shard writes the group's files (adapters and optimizer state are the same on every shard)."""
         return self.rank == 0
+
+    def peers_here(self) -> int:
+        """How many shards of this trainer (this one included) run on this machine: they run every pass together,
+        so they divide its CPUs between them (``adapters.cpu_threads``)."""
+        if self.world == 1:
+            return 1
+        here = socket.gethostname()
+        return sum(host == here for host in self.everywhere(here))
+
+    def everywhere(self, value: T) -> list[T]:
+        """Every shard's ``value`` (picklable), on every shard."""
+        if self.world == 1:
+            return [value]
+        import torch.distributed as dist
+
+        values: list = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
 
     def mine(self, sizes: list[int]) -> list[int]:
         """The datums (indices into ``sizes``, their token counts) this shard runs, in order: the longest first to

@@ -8,12 +8,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adapters.logs import ENV as LOG_FORMAT_ENV
 from adapters.logs import configure_logging
 from compat_server.cli.options import config_from_args, defaults_from_environment, serve_parser
 from compat_server.config import ServerConfig, default_data_dir
 from shims.errors import ConfigurationRefused
+
+if TYPE_CHECKING:
+    from compat_server.services import Services
 
 log = logging.getLogger("compat_server")
 
@@ -121,15 +125,33 @@ def serve(config: ServerConfig) -> None:
             auth = config.auth_mode
             if auth == "open":
                 auth += " (each tml- key is its own tenant; no key, EMPTY or any other key share one anonymous tenant)"
-            log.info("compat-server ready at %s — base models: %s — data: %s — auth: %s", url,
-                     ", ".join(config.base_models), config.data_dir, auth,
+            threads = torch_threads(services)
+            log.info("compat-server ready at %s — base models: %s — torch threads: %s — data: %s — auth: %s", url,
+                     ", ".join(config.base_models), _said(threads), config.data_dir, auth,
                      extra={"event": "ready", "url": url, "base_models": config.base_models,
-                            "auth": config.auth_mode})
+                            "auth": config.auth_mode, "torch_threads": threads})
         await task
         return server.started
 
     if not asyncio.run(run()):
         sys.exit(1)
+
+
+def torch_threads(services: Services) -> dict[str, dict[str, list[int]]]:
+    """Per base model, the torch threads each trainer process (each shard) and each sampler worker computes with,
+    as read inside them (``adapters.cpu_threads``)."""
+    return {name: {"trainer": [f.threads for f in group.facts],
+                   "samplers": services.samplers.torch_threads.get(name, [])}
+            for name, group in services.trainers.groups.items()}
+
+
+def _said(threads: dict[str, dict[str, list[int]]]) -> str:
+    """``trainer 2, samplers 2`` (one base model), each model named where there are several."""
+    def one(counts: dict[str, list[int]]) -> str:
+        return ", ".join(f"{who} {'+'.join(map(str, n))}" for who, n in counts.items() if n)
+    if len(threads) == 1:
+        return one(next(iter(threads.values())))
+    return "; ".join(f"{name}: {one(counts)}" for name, counts in threads.items())
 
 
 def main(argv: list[str] | None = None) -> None:

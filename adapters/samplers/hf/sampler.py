@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from adapters.batching import Coalescer
+from adapters.cpu_threads import set_torch_threads
 from adapters.lora.files import read_adapter_file
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
@@ -44,8 +45,7 @@ class TransformersSampler(SamplerBackend):
         optional whitespace, as vLLM's setting of that name."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        if threads:
-            torch.set_num_threads(threads)
+        set_torch_threads(threads)  # None: this machine's usable CPUs (adapters.cpu_threads)
         self.location = location
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = getattr(torch, resolve_dtype(dtype, self.device.type, location))
@@ -80,6 +80,10 @@ class TransformersSampler(SamplerBackend):
 
     def resident(self) -> list[str]:
         return self.adapters.keys()
+
+    async def torch_threads(self) -> list[int]:
+        """Read on the thread every batch runs on (``_run_in_thread``)."""
+        return [await asyncio.get_running_loop().run_in_executor(self._thread, torch.get_num_threads)]
 
     def stats(self) -> dict:
         return {"batches": self.batches, "decoded_tokens": self.decoded_tokens, "resident_adapters": self.resident()}

@@ -173,6 +173,12 @@ class VLLMCorrections:
                 "raw_logprobs_under_grammar": all(getattr(fn, "compat_server_fix", False) for fn in (
                     runner_module.apply_grammar_bitmask, runner_module.GPUModelRunner._sample))}
 
+    def compat_server_torch_threads(self) -> int:
+        """The torch threads this worker computes with (vLLM sets them from its CPU binding)."""
+        import torch
+
+        return torch.get_num_threads()
+
 
 _install_prompt_logprobs_loras()
 _install_cpu_no_lora_rows()

@@ -127,6 +127,10 @@ class VLLMSampler(SamplerBackend):
     def resident(self) -> list[str]:
         return self.adapters.keys()
 
+    async def torch_threads(self) -> list[int]:
+        """Read in each of the engine's worker processes, which run the model (``VLLMCorrections``)."""
+        return list(await self.engine.collective_rpc("compat_server_torch_threads"))
+
     def stats(self) -> dict:
         return {"resident_adapters": self.resident(), "decoded_tokens": self.decoded_tokens,
                 "running_requests": self.engine.output_processor.get_num_unfinished_requests(),

@@ -1,0 +1,77 @@
+"""How many torch threads each trainer and sampler actor runs, and how idle threads wait.
+
+Ray starts an actor with ``OMP_NUM_THREADS`` set to the CPUs it reserves (``--trainer-cpus``, ``--sampler-cpus``:
+1 by default), so left alone the trainer runs torch on one core of the machine it has to itself: measured through
+the SDK on 2 cores, 0.56× plain PEFT (issue 34). Reservations are Ray's bookkeeping for placement; threads are what
+does the work. So by default every actor runs as many torch threads as the CPUs its process may use on its node
+(``usable_cpus``: its affinity mask, within its container's CPU quota), and the CPUs are shared in time, not split:
+
+- **One busy actor gets the whole machine.** An RL loop samples, then trains; a supervised run only trains. Split
+  evenly, each phase would run on half the cores.
+- **Idle threads sleep** (``OMP_WAIT_POLICY=PASSIVE``, set in each actor's environment before torch loads, unless
+  the operator set it): by default OpenMP threads spin after each parallel region, and two processes whose threads
+  spin on the same cores starve each other. Measured on 2 cores, a trainer step loop and a decode loop running at
+  once, 2 threads each: decode fell from 139 tokens/s (1 thread each, cores split) to 12 with spinning threads, and
+  ran at 98 with sleeping ones (the trainer at 186 and 325 tokens/s; 291 split). Alone, sleeping threads cost
+  nothing measurable (560 against 563 tokens/s training, 159 against 158 decoding).
+- **Processes that are always busy together divide the cores**: the shards of one sharded trainer on one node run
+  every pass in lockstep, so each takes its share (``peers`` below); a vLLM engine's CPU workers get their own cores
+  (``adapters.samplers.vllm.parallel``).
+
+``--trainer-threads`` and ``--sampler-threads`` override the count (for example to split the cores between a trainer
+and samplers that are busy at the same time). Each actor reports the count torch actually runs with, read inside the
+actor (``/api/v1/metrics``, the ready line).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+WAIT_POLICY = "OMP_WAIT_POLICY"
+
+
+def actor_environment() -> dict[str, str]:
+    """Environment variables for a trainer or sampler actor's ``runtime_env``: idle OpenMP threads sleep, unless the
+    operator chose a policy in the server's environment (then theirs, which the actor inherits anyway)."""
+    return {} if WAIT_POLICY in os.environ else {WAIT_POLICY: "PASSIVE"}
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, within its cgroup's CPU quota (``docker run --cpus 4``
+    leaves all of the host's cores in the mask but lets the container use 4 of them)."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota()
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of time this process's cgroup may use (cgroup v2 ``cpu.max``, or v1's CFS quota), or None when
+    unlimited or unknown."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def default_threads(usable: int, peers: int = 1) -> int:
+    """Threads for one of ``peers`` processes that share ``usable`` CPUs and are always busy together (the shards
+    of one trainer on one node): an even share, at least one."""
+    return max(1, usable // max(peers, 1))
+
+
+def set_torch_threads(configured: int | None, peers: int = 1) -> int:
+    """Set this process's torch threads (``configured``, else ``default_threads`` of its usable CPUs) and return the
+    count torch reports back."""
+    import torch
+
+    torch.set_num_threads(configured or default_threads(usable_cpus(), peers))
+    return torch.get_num_threads()

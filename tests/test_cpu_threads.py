@@ -1,0 +1,66 @@
+"""Each trainer and sampler actor computes with the CPUs its machine gives it (``adapters.cpu_threads``), not the one
+thread Ray's ``OMP_NUM_THREADS`` would leave it: read from the real server started with its defaults, as each actor
+reports ``torch.get_num_threads()`` from inside itself, in ``/api/v1/metrics`` and on the ready line."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from adapters.cpu_threads import actor_environment, cgroup_cpu_quota, default_threads
+from tests.helpers import BASE_MODEL, machine_cpus
+
+
+@pytest.fixture(scope="module")
+def server(backend_server):
+    return backend_server
+
+
+def test_every_actor_of_the_default_server_runs_the_machine_cpus(server):
+    answer = httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin, timeout=30).json()
+    trainer = answer["training"][BASE_MODEL]
+    expected = machine_cpus()
+    assert trainer["torch_threads"] == expected
+    assert [shard["torch_threads"] for shard in trainer["shards"]] == [expected]
+    replicas = answer["sampling"][BASE_MODEL]["replicas"]
+    workers = [n for replica in replicas for n in replica["torch_threads"]]
+    assert len(workers) == len(replicas) >= 1  # one process computes per replica (vLLM: its one worker)
+    if "vllm" in server.process.args:  # vLLM's CPU worker: the cores vLLM bound it to, as vLLM logged them
+        bound = re.findall(r"local_rank=0, core ids=\[([\d, ]+)\]", server.log())
+        assert bound, "vLLM logged no CPU binding"
+        assert workers == [len(bound[-1].split(","))] * len(replicas)
+        assert all(1 <= n <= expected for n in workers)
+    else:  # transformers: read on the thread its batches run on
+        assert workers == [expected] * len(replicas)
+    said = f"torch threads: trainer {expected}, samplers {'+'.join(map(str, workers))}"
+    assert said in server.log(), "the ready line says how many threads each actor runs"
+
+
+def test_the_default_is_an_even_share_for_processes_busy_together():
+    assert default_threads(16) == 16
+    assert default_threads(16, peers=4) == 4
+    assert default_threads(3, peers=2) == 1
+    assert default_threads(1, peers=4) == 1
+
+
+@pytest.mark.parametrize(("files", "quota"), [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "250000 100000\n"}, 2.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4.0),
+    ({}, None),
+], ids=["v2 unlimited", "v2 2.5 CPUs", "v1 unlimited", "v1 4 CPUs", "none"])
+def test_a_container_cpu_quota_is_read(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_quota(tmp_path) == quota
+
+
+def test_idle_threads_sleep_unless_the_operator_chose(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert actor_environment() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert actor_environment() == {}  # the actors inherit the operator's
