@@ -106,6 +106,35 @@ def test_logprobs_scored_in_chunks_equal_scored_at_once(trained, monkeypatch):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_positions", [4096, 8], ids=["one chunk", "several chunks"])
+def test_datums_scored_together_equal_each_scored_alone(trained, monkeypatch, chunk_positions):
+    """A request's datums share the head's matmuls (``ModelPasses.target_logprobs_together``), packed whole into
+    chunks, a datum longer than a chunk on its own: each datum's logprobs, and the gradient of a weighted sum, as
+    when each is scored alone; targets of several tokens per position too."""
+    trainer, _ = trained
+    monkeypatch.setattr(passes_module, "LOGITS_CHUNK_ELEMENTS", trainer.facts.vocab_size * chunk_positions)
+    passes = trainer.passes
+    torch.manual_seed(0)
+    lengths = [3, 5, 2, 11, 4, 6]
+    widths = [1, 1, 1, 1, 2, 2]
+    hiddens = [torch.randn(n, passes.head.base.in_features, requires_grad=True) for n in lengths]
+    targets = [torch.randint(0, trainer.facts.vocab_size, (n, k) if k > 1 else (n,))
+               for n, k in zip(lengths, widths, strict=True)]
+
+    def gradients(scored: list[torch.Tensor]) -> list[torch.Tensor]:
+        total = sum((i + 1) * s.sum() for i, s in enumerate(scored))
+        return list(torch.autograd.grad(total, hiddens))
+
+    together = passes.target_logprobs_together(hiddens, "mlp-head", targets)
+    alone = [torch.log_softmax(passes.head.with_adapter(h, "mlp-head"), -1).gather(1, t.reshape(len(h), -1))
+             .reshape(t.shape) for h, t in zip(hiddens, targets, strict=True)]
+    for got, want in zip(together, alone, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(gradients(together), gradients(alone), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_checkpoint_written_by_peft_loads_and_scores_as_peft_scores_it(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -132,11 +132,12 @@ class MixedForward:
             rows = [ready[datums[i][0]][1].data[datums[i][1]] for i in mine] or [IDLE_ROW]
             names = [ready[datums[i][0]][2].name for i in mine] or [None]
             hidden, probe = self.passes.hidden(rows, names)
+            scores = self._scores(ready, [datums[i] for i in mine], hidden)
             for row, i in enumerate(mine):
                 position, offset = datums[i]
                 part = parts[position]
                 if part.error is None:
-                    self._datum_loss(ready[position], offset, hidden[row], part)
+                    self._datum_loss(ready[position], offset, hidden[row], part, scores.get(row))
             for position, part in enumerate(parts):
                 self._close_part(ready[position][1], part)
             failed, losses = self._agree(parts)
@@ -169,15 +170,39 @@ class MixedForward:
                                          metrics=metrics, seconds=seconds,
                                          num_tokens=int(sum(d.tokens.size for d in request.data)))
 
-    def _datum_loss(self, item: Ready, offset: int, hidden: torch.Tensor, part: _Part) -> None:
-        """Add one datum's loss and output to its request's part; a failure of its loss (a custom loss the client got
-        wrong, or a server error of this request alone) is recorded as the part's error."""
+    def _scores(self, ready: list[Ready], rows: list[tuple[int, int]], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The target logprobs of ``rows`` (request position, datum offset; row i of ``hidden``), each request's
+        datums scored together (``ModelPasses.target_logprobs_together``), by row. A request whose targets or
+        scoring fail is left out: its datums are scored one by one in ``_datum_loss``, where the failure is that
+        request's own."""
+        by_request: dict[int, list[int]] = {}
+        for row, (position, _) in enumerate(rows):
+            by_request.setdefault(position, []).append(row)
+        scores: dict[int, torch.Tensor] = {}
+        for position, mine in by_request.items():
+            _, request, adapter, _ = ready[position]
+            data = [request.data[rows[row][1]] for row in mine]
+            try:
+                targets = [torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device) for d in data]
+                scored = self.passes.target_logprobs_together(
+                    [hidden[row, : d.tokens.size] for row, d in zip(mine, data, strict=True)], adapter.name, targets)
+            except Exception:  # noqa: BLE001, S112 - said by _datum_loss, which scores each datum alone
+                continue
+            scores.update(zip(mine, scored, strict=True))
+        return scores
+
+    def _datum_loss(self, item: Ready, offset: int, hidden: torch.Tensor, part: _Part,
+                    target_logprobs: torch.Tensor | None = None) -> None:
+        """Add one datum's loss and output to its request's part (its target logprobs scored here unless given);
+        a failure of its loss (a custom loss the client got wrong, or a server error of this request alone) is
+        recorded as the part's error."""
         _, request, adapter, config = item
         d = request.data[offset]
         custom = request.custom_loss
         try:
-            targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
-            target_logprobs = self.passes.target_logprobs(hidden[: d.tokens.size], adapter.name, targets)
+            if target_logprobs is None:
+                targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
+                target_logprobs = self.passes.target_logprobs(hidden[: d.tokens.size], adapter.name, targets)
             inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
             if custom is not None:
                 part.custom = part.custom or CustomLossBatch(custom)

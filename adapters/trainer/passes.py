@@ -15,8 +15,9 @@ from adapters.trainer.shards import Shards
 from shims.tinker.training_wire import DatumArrays
 
 LOGITS_CHUNK_ELEMENTS = 1 << 26
-"""At most this many logits (positions × vocabulary) exist at once per datum: 256 MiB in float32, ~440 positions at a
-151k vocabulary. Longer datums are scored chunk by chunk, each chunk's logits recomputed in backward instead of kept."""
+"""At most this many logits (positions × vocabulary) are computed at once: 256 MiB in float32, ~440 positions at a
+151k vocabulary. Shorter datums are scored several to a chunk; longer ones chunk by chunk, each chunk's logits
+recomputed in backward instead of kept."""
 
 IDLE_ROW = DatumArrays(tokens=np.zeros(1, dtype=np.int64))
 """What a shard with no datum of a batch runs through the base model, so that it takes part in the batch's
@@ -93,15 +94,54 @@ class ModelPasses:
         through ``name``'s output head, computed over at most ``LOGITS_CHUNK_ELEMENTS`` logits at a time."""
         n = hidden.shape[0]
         flat = targets.reshape(n, -1)
-        head = self.head
-
-        def score(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return torch.log_softmax(head.with_adapter(h, name).float(), dim=-1).gather(1, t)
-
-        size = max(1, LOGITS_CHUNK_ELEMENTS // self.vocab_size)
+        size = self.chunk_positions
         if n <= size:
-            return score(hidden, flat).reshape(targets.shape)
+            return self._score(hidden, flat, name).reshape(targets.shape)
         recompute = torch.is_grad_enabled()
-        chunks = [torch.utils.checkpoint.checkpoint(score, hidden[i:i + size], flat[i:i + size], use_reentrant=False)
-                  if recompute else score(hidden[i:i + size], flat[i:i + size]) for i in range(0, n, size)]
+        chunks = [torch.utils.checkpoint.checkpoint(self._score, hidden[i:i + size], flat[i:i + size], name,
+                                                    use_reentrant=False)
+                  if recompute else self._score(hidden[i:i + size], flat[i:i + size], name) for i in range(0, n, size)]
         return torch.cat(chunks).reshape(targets.shape)
+
+    def target_logprobs_together(self, hiddens: list[torch.Tensor], name: str | None,
+                                 targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``target_logprobs`` of several datums through one adapter's head. Datums of at most one chunk are scored
+        together, as many at once as one chunk holds, each kept for backward as it is when scored alone; longer ones
+        chunk by chunk. One head matmul over many rows rather than one per datum: measured on CPU, a 32k-vocabulary
+        head took 1.4× longer per row over 256 rows than over 2,048 (MKL packs the head's weight once per call)."""
+        size = self.chunk_positions
+        out: list[torch.Tensor | None] = [None] * len(hiddens)
+        group: list[int] = []
+        used, width = 0, None
+
+        def flush() -> None:
+            if not group:
+                return
+            scored = self._score(torch.cat([hiddens[i] for i in group]),
+                                 torch.cat([targets[i].reshape(hiddens[i].shape[0], -1) for i in group]), name)
+            for i, part in zip(group, scored.split([hiddens[i].shape[0] for i in group]), strict=True):
+                out[i] = part.reshape(targets[i].shape)
+            group.clear()
+
+        for i, (hidden, target) in enumerate(zip(hiddens, targets, strict=True)):
+            n = hidden.shape[0]
+            if n > size:
+                out[i] = self.target_logprobs(hidden, name, target)
+                continue
+            k = target.reshape(n, -1).shape[1]
+            if group and (used + n > size or k != width):
+                flush()
+                used = 0
+            group.append(i)
+            used, width = used + n, k
+        flush()
+        return out  # type: ignore[return-value]
+
+    @property
+    def chunk_positions(self) -> int:
+        """Positions whose logits one chunk holds (``LOGITS_CHUNK_ELEMENTS``)."""
+        return max(1, LOGITS_CHUNK_ELEMENTS // self.vocab_size)
+
+    def _score(self, hidden: torch.Tensor, targets: torch.Tensor, name: str | None) -> torch.Tensor:
+        """Logprobs of ``targets`` (``[positions, k]``) after ``hidden`` through ``name``'s head, in float32."""
+        return torch.log_softmax(self.head.with_adapter(hidden, name).float(), dim=-1).gather(1, targets)

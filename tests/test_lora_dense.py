@@ -1,0 +1,95 @@
+"""The dense path of a LoRA layer (``LoRALinear._plus_dense``: a mixed batch without gradients, every adapter at
+once) against each row computed on its own in plain torch, ``y = x·Wᵀ + scale·(x·Aᵀ)·Bᵀ``: adapters of different
+ranks and scales, base rows, an adapter this layer does not carry, 3-D and flattened inputs; the kept side-by-side
+weights follow in-place updates and replaced adapters; gradients take the per-group path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from adapters.lora.linear import LoRALinear, Slot
+from adapters.lora.routing import Router
+
+IN, OUT = 256, 192
+
+
+def layer() -> LoRALinear:
+    torch.manual_seed(0)
+    linear = LoRALinear(nn.Linear(IN, OUT, bias=True), Router(), [Slot("w", "attn", IN, OUT)], [(0, OUT)])
+    for name, rank, scale in (("a", 2, 0.5), ("b", 8, 2.0), ("c", 4, 1.0)):
+        linear.adapters.put(name, [pair(rank)], scale, torch.device("cpu"), trainable=False)
+    return linear
+
+
+def pair(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B scaled so that a row's output stays of order 1, where float32 sums agree to 1e-5."""
+    return torch.randn(rank, IN) / IN**0.5, torch.randn(OUT, rank) / rank**0.5
+
+
+def reference(linear: LoRALinear, x: torch.Tensor, names: list[str | None]) -> torch.Tensor:
+    rows = []
+    for row, name in zip(x, names, strict=True):
+        y = row @ linear.base.weight.T + linear.base.bias
+        if name in linear.adapters:
+            (a, b), = linear.adapters.pairs[name]
+            y = y + linear.adapters.scaling[name] * (row @ a.T) @ b.T
+        rows.append(y)
+    return torch.stack(rows)
+
+
+NAMES = ["a", "a", None, "b", "c", "c", "missing", "b"]
+
+
+def run(linear: LoRALinear, x: torch.Tensor, names: list[str | None]) -> torch.Tensor:
+    with linear.router.routing(names):
+        return linear(x)
+
+
+@pytest.mark.parametrize("shape", [(len(NAMES), 5, IN), (len(NAMES), IN)], ids=["rows x tokens", "one token"])
+def test_a_mixed_batch_without_gradients_equals_each_row_alone(shape):
+    linear = layer()
+    x = torch.randn(shape)
+    with torch.no_grad():
+        got = run(linear, x, NAMES)
+        assert linear._dense_cache.entry is not None  # the dense path was taken
+        torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+
+
+def test_flattened_tokens_of_each_row_take_the_row_adapter():
+    """A MoE block's shared expert sees the batch flattened row by row: each row's tokens keep its adapter."""
+    linear = layer()
+    x = torch.randn(len(NAMES), 3, IN)
+    with torch.no_grad():
+        got = run(linear, x.reshape(-1, IN), NAMES).reshape(len(NAMES), 3, OUT)
+    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+
+
+def test_kept_weights_follow_updates_and_replaced_adapters():
+    linear = layer()
+    x = torch.randn(len(NAMES), 2, IN)
+    with torch.no_grad():
+        run(linear, x, NAMES)
+        linear.adapters.pairs["b"][0][1].add_(1.0)  # an optimizer step, in place
+        torch.testing.assert_close(run(linear, x, NAMES), reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+        linear.adapters.put("c", [pair(3)], 4.0, torch.device("cpu"), False)
+        torch.testing.assert_close(run(linear, x, NAMES), reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+
+
+def test_with_gradients_the_per_group_path_runs_and_agrees():
+    linear = layer()
+    x = torch.randn(len(NAMES), 2, IN, requires_grad=True)
+    got = run(linear, x, NAMES)
+    assert linear._dense_cache.entry is None
+    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+
+
+def test_ranks_too_wide_side_by_side_take_the_per_group_path():
+    linear = layer()
+    linear.adapters.put("b", [pair(16)], 1.0, torch.device("cpu"), False)
+    x = torch.randn(len(NAMES), 2, IN)
+    with torch.no_grad():
+        got = run(linear, x, NAMES)
+    assert linear._dense_cache.entry is None  # 6 groups × rank 16 × 4 > 192
+    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
