@@ -17,7 +17,7 @@ INTERFACE_METHODS = sorted(name for name, member in vars(SamplerBackend).items()
 
 
 def test_the_interface_declares_what_the_pool_calls():
-    assert INTERFACE_METHODS == ["close", "facts", "resident", "sample", "stats"]
+    assert INTERFACE_METHODS == ["close", "facts", "resident", "sample", "stats", "torch_threads"]
     assert "dead" in SamplerBackend.__annotations__
 
 
