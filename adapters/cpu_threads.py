@@ -8,12 +8,14 @@ does the work. So by default every actor runs as many torch threads as the CPUs 
 
 - **One busy actor gets the whole machine.** An RL loop samples, then trains; a supervised run only trains. Split
   evenly, each phase would run on half the cores.
-- **Idle threads sleep** (``OMP_WAIT_POLICY=PASSIVE``, set in each actor's environment before torch loads, unless
-  the operator set it): by default OpenMP threads spin after each parallel region, and two processes whose threads
-  spin on the same cores starve each other. Measured on 2 cores, a trainer step loop and a decode loop running at
-  once, 2 threads each: decode fell from 139 tokens/s (1 thread each, cores split) to 12 with spinning threads, and
-  ran at 98 with sleeping ones (the trainer at 186 and 325 tokens/s; 291 split). Alone, sleeping threads cost
-  nothing measurable (560 against 563 tokens/s training, 159 against 158 decoding).
+- **A sampler's idle threads sleep** (``OMP_WAIT_POLICY=PASSIVE``, set in each sampler actor's environment before
+  torch loads, unless the operator set it). OpenMP threads spin for a while after each parallel region; decoding runs
+  thousands of tiny regions, so a decoder's threads spin almost all the time, on the cores the trainer needs.
+  Measured on 2 cores, a trainer step loop and a decode loop running at once, 2 threads each: decode fell from 139
+  tokens/s (1 thread each, cores split) to 12 with both spinning, and ran at 93-99 with the decoder's threads
+  sleeping (the trainer at 186, 317-327; 291 split). The trainer's regions are long matmuls, its threads seldom wait,
+  and whether they spin changed nothing there (317 spinning, 327 sleeping), while sleeping cost the trainer about 3%
+  through the server alone, so the trainer keeps OpenMP's default.
 - **Processes that are always busy together divide the cores**: the shards of one sharded trainer on one node run
   every pass in lockstep, so each takes its share (``peers`` below); a vLLM engine's CPU workers get their own cores
   (``adapters.samplers.vllm.parallel``).
@@ -32,9 +34,9 @@ from pathlib import Path
 WAIT_POLICY = "OMP_WAIT_POLICY"
 
 
-def actor_environment() -> dict[str, str]:
-    """Environment variables for a trainer or sampler actor's ``runtime_env``: idle OpenMP threads sleep, unless the
-    operator chose a policy in the server's environment (then theirs, which the actor inherits anyway)."""
+def sampler_environment() -> dict[str, str]:
+    """Environment variables for a sampler actor's ``runtime_env``: idle OpenMP threads sleep, unless the operator
+    chose a policy in the server's environment (then theirs, which the actor inherits anyway)."""
     return {} if WAIT_POLICY in os.environ else {WAIT_POLICY: "PASSIVE"}
 
 

@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from adapters.cpu_threads import actor_environment, cgroup_cpu_quota, default_threads
+from adapters.cpu_threads import cgroup_cpu_quota, default_threads, sampler_environment
 from tests.helpers import BASE_MODEL, machine_cpus
 
 
@@ -59,8 +59,8 @@ def test_a_container_cpu_quota_is_read(tmp_path, files, quota):
     assert cgroup_cpu_quota(tmp_path) == quota
 
 
-def test_idle_threads_sleep_unless_the_operator_chose(monkeypatch):
+def test_a_sampler_idle_threads_sleep_unless_the_operator_chose(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert actor_environment() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert sampler_environment() == {"OMP_WAIT_POLICY": "PASSIVE"}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert actor_environment() == {}  # the actors inherit the operator's
+    assert sampler_environment() == {}  # the actors inherit the operator's

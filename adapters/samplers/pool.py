@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import ray
 
 from adapters.actors import ActorRestarting, ActorUnavailable, call_actor, ray_node, stream_actor
-from adapters.cpu_threads import actor_environment
+from adapters.cpu_threads import sampler_environment
 from adapters.logs import configure_logging
 from adapters.models.resolve import BaseModelSpec
 from adapters.samplers.interface import AdapterRef, Restarting, SamplerBackend, SamplerFacts
@@ -176,7 +176,7 @@ class SamplerPool:
                 # demand, as after any eviction.
                 _Replica(remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
                                             max_restarts=-1, max_task_retries=0,
-                                            runtime_env={"env_vars": actor_environment()})
+                                            runtime_env={"env_vars": sampler_environment()})
                          .remote(spec.location, p))
                 for _ in range(p.count)])
         for name, base in self.bases.items():

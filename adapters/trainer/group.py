@@ -25,7 +25,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from adapters.actors import ActorRestarting, ActorUnavailable, await_call
-from adapters.cpu_threads import actor_environment
 from adapters.trainer.actor import ModelFacts, MultiLoRATrainer
 from adapters.trainer.placement import TrainerPlacement
 from adapters.trainer.shards import SEE_ALL_GPUS, ShardSpec
@@ -107,15 +106,13 @@ class TrainerGroup:
     def _actor_options(self, rank: int) -> dict[str, Any]:
         p = self.placement
         # Ray restarts nothing itself: a shard cannot rejoin its group alone (``_restart``).
-        options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0, "num_cpus": p.num_cpus,
-                                   "num_gpus": p.num_gpus, "resources": p.resources or None}
-        env = actor_environment()
-        if self.size > 1:
-            options["scheduling_strategy"] = self._bundle(rank)
-            if p.num_gpus:  # each shard sees its node's GPUs, so that NCCL reaches its peers directly
-                env[SEE_ALL_GPUS] = "1"
-        if env:
-            options["runtime_env"] = {"env_vars": env}
+        options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+        if self.size == 1:
+            return options | {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None}
+        options |= {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None,
+                    "scheduling_strategy": self._bundle(rank)}
+        if p.num_gpus:  # each shard sees its node's GPUs, so that NCCL reaches its peers directly
+            options["runtime_env"] = {"env_vars": {SEE_ALL_GPUS: "1"}}
         return options
 
     def _bundle(self, rank: int) -> PlacementGroupSchedulingStrategy:
