@@ -1,16 +1,22 @@
 """Trainer tokens/s for whole training steps (forward + backward + optimizer step) at equal total tokens: plain PEFT
-on one adapter (the script a user moves here from), this trainer with one adapter, N adapters in one mixed batch,
-and N adapters one after another. Ratios are against plain PEFT and against one adapter, measured in the same run.
+on one adapter (the script a user moves here from), this trainer in-process with one adapter, N adapters in one mixed
+batch, and N adapters one after another; then the same through the server as users run it (``compat-server serve``
+with its defaults, or ``--server-flag``s, and the tinker SDK): one client sending every datum, and N clients at once,
+each its own training run with its share of the datums. Ratios are against plain PEFT and against one adapter (one
+client), measured in the same run, every row beside the same idle server.
 
     python -m bench.trainer_batching [--shape tiny|cpu-mid|qwen3-0.6b|qwen3-4b|qwen3-8b] [--adapters 8]
-                                     [--rows 2] [--length 128] [--rank 32] [--repeats 5]
+                                     [--rows 2] [--length 128] [--rank 32] [--repeats 5] [--server-flag=--x ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,7 +24,9 @@ import torch
 from adapters.trainer.actor import LORA_ALPHA, AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
 from adapters.trainer.interface import OptimRequest
 from bench.common import mfu, model_directory, non_embedding_params, write
+from bench.through_server import sdk_datums, sdk_step, served, service_client, torch_threads
 from shims.tinker.training_wire import DatumArrays
+from tests.server import RunningServer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
@@ -31,6 +39,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128, help="tokens per datum")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--server-flag", action="append", default=[],
+                        help="a flag for the server rows (repeatable; none: the server's defaults)")
+    parser.add_argument("--no-server", action="store_true", help="in-process rows only")
     args = parser.parse_args()
 
     directory = model_directory(args.shape)
@@ -68,7 +79,8 @@ def main() -> None:
     params = non_embedding_params(directory)
     rows = []
 
-    def measure(name: str, step: Callable[[], None]) -> None:
+    def measure(name: str, step: Callable[[], None], path: str = "in-process", adapters: int | None = None,
+                **extra) -> None:
         step()  # warm-up
         seconds = []
         for _ in range(args.repeats):
@@ -78,18 +90,51 @@ def main() -> None:
             seconds.append(time.perf_counter() - started)
         best = float(np.median(seconds))
         rate = total_tokens / best
-        rows.append({"workload": name, "tokens_per_step": total_tokens, "seconds_per_step": best,
-                     "tokens_per_second": rate, "mfu": mfu(params, rate), "peak_gb": _peak_gb()})
+        if adapters is None:
+            adapters = args.adapters if str(args.adapters) in name else 1
+        rows.append({"workload": name, "path": path, "adapters": adapters, "tokens_per_step": total_tokens,
+                     "seconds_per_step": best, "tokens_per_second": rate, "mfu": mfu(params, rate),
+                     "peak_gb": _peak_gb() if path == "in-process" else None, **extra})
 
-    measure("plain PEFT, 1 adapter", plain_peft_step(str(directory), everything, args.rank, trainer.device))
-    measure("this trainer, 1 adapter", one_adapter)
-    measure(f"this trainer, {args.adapters} adapters, one mixed batch", mixed)
-    measure(f"this trainer, {args.adapters} adapters, one after another", sequential)
-    peft, single = rows[0]["tokens_per_second"], rows[1]["tokens_per_second"]
+    with contextlib.ExitStack() as stack:
+        # Started first, so that every row runs beside the same idle server processes (Ray's, the samplers').
+        server = None if args.no_server else stack.enter_context(served(directory, *args.server_flag))
+        measure("plain PEFT, 1 adapter", plain_peft_step(str(directory), everything, args.rank, trainer.device))
+        measure("this trainer in-process, 1 adapter", one_adapter)
+        measure(f"this trainer in-process, {args.adapters} adapters, one mixed batch", mixed)
+        measure(f"this trainer in-process, {args.adapters} adapters, one after another", sequential)
+        if server is not None:
+            server_rows(server, directory, per_adapter, args, measure)
+    peft = rows[0]["tokens_per_second"]
     for row in rows:
+        single = next(r for r in rows if r["path"] == row["path"] and r["adapters"] == 1)["tokens_per_second"]
         row["relative_to_plain_peft"] = row["tokens_per_second"] / peft
         row["relative_to_1_adapter"] = row["tokens_per_second"] / single
-    write(f"trainer_batching-{args.shape}", vars(args), rows)
+    flags = "".join(f"-{flag.lstrip('-')}" for flag in args.server_flag)  # e.g. -trainer-threads-1
+    write(f"trainer_batching-{args.shape}{flags}", vars(args), rows)
+
+
+def server_rows(server: RunningServer, directory: Path, per_adapter: list[list[DatumArrays]], args,
+                measure: Callable[..., None]) -> None:
+    """One SDK client sending every datum per step, then one client per adapter at once, each its own run with its
+    datums (what the server may mix into one batch), against ``compat-server serve`` with its defaults (or the
+    ``--server-flag``s); each client in its own thread, as separate scripts would be."""
+    service = service_client(server)
+    clients = [service.create_lora_training_client(base_model=str(directory), rank=args.rank, seed=i).result()
+               for i in range(len(per_adapter))]
+    shares = [sdk_datums(rows) for rows in per_adapter]
+    everything = [d for share in shares for d in share]
+    flags = " ".join(args.server_flag) or "defaults"
+    threads = torch_threads(server)
+    with ThreadPoolExecutor(len(clients)) as pool:
+        def together() -> None:
+            list(pool.map(sdk_step, clients, shares))
+
+        measure(f"server ({flags}) via SDK, 1 client", lambda: sdk_step(clients[0], everything),
+                path="server", adapters=1, torch_threads=threads)
+        measure(f"server ({flags}) via SDK, {len(clients)} clients at once", together, path="server",
+                adapters=len(clients), torch_threads=threads)
+    service.close("success")
 
 
 def plain_peft_step(location: str, data: list[DatumArrays], rank: int, device: torch.device) -> Callable[[], None]:
