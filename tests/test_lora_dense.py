@@ -1,7 +1,8 @@
-"""The dense path of a LoRA layer (``LoRALinear._plus_dense``: a mixed batch without gradients, every adapter at
-once) against each row computed on its own in plain torch, ``y = x·Wᵀ + scale·(x·Aᵀ)·Bᵀ``: adapters of different
-ranks and scales, base rows, an adapter this layer does not carry, 3-D and flattened inputs; the kept side-by-side
-weights follow in-place updates and replaced adapters; gradients take the per-group path."""
+"""The dense path of a LoRA layer (``LoRALinear._plus_dense``: a sampler's mixed batch, every adapter at once)
+against each row computed on its own in plain torch, ``y = x·Wᵀ + scale·(x·Aᵀ)·Bᵀ``: adapters of different ranks and
+scales, base rows, an adapter this layer does not carry, 3-D and flattened inputs, rows leaving the batch; the kept
+side-by-side weights follow in-place updates and replaced adapters; gradients, adapters that train (an optimizer may
+change them without a version bump), long calls and too-wide ranks take the per-group path."""
 
 from __future__ import annotations
 
@@ -75,6 +76,42 @@ def test_kept_weights_follow_updates_and_replaced_adapters():
         torch.testing.assert_close(run(linear, x, NAMES), reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
         linear.adapters.put("c", [pair(3)], 4.0, torch.device("cpu"), False)
         torch.testing.assert_close(run(linear, x, NAMES), reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_leaving_the_batch_keep_the_weights_and_regroup():
+    linear = layer()
+    x = torch.randn(len(NAMES), 2, IN)
+    with torch.no_grad():
+        run(linear, x, NAMES)
+        kept = linear._dense_cache.entry
+        fewer = [0, 2, 3, 4, 6, 7]  # a row of "a" and one of "c" finished: the same groups, other rows
+        names = [NAMES[i] for i in fewer]
+        got = run(linear, x[fewer], names)
+        assert linear._dense_cache.entry is kept
+    torch.testing.assert_close(got, reference(linear, x[fewer], names), atol=1e-5, rtol=1e-5)
+
+
+def test_adapters_that_train_take_the_per_group_path_even_without_gradients():
+    """A trainer's forward-only pass: its adapters may have been stepped in place by a fused optimizer since, which
+    torch's version counter does not see, so nothing of them is kept."""
+    linear = layer()
+    for pair in linear.adapters.pairs.values():
+        for tensor in pair[0]:
+            tensor.requires_grad_(True)
+    x = torch.randn(len(NAMES), 2, IN)
+    with torch.no_grad():
+        got = run(linear, x, NAMES)
+        assert linear._dense_cache.entry is None
+        torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_call_takes_the_per_group_path():
+    linear = layer()
+    x = torch.randn(len(NAMES), LoRALinear.DENSE_MAX_TOKENS // len(NAMES) + 1, IN)
+    with torch.no_grad():
+        got = run(linear, x, NAMES)
+    assert linear._dense_cache.entry is None
+    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-4, rtol=1e-5)
 
 
 def test_with_gradients_the_per_group_path_runs_and_agrees():

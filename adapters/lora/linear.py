@@ -114,55 +114,56 @@ class LoRALinear(nn.Module):
         more, autograd copying the view's gradient)."""
         pairs = self._low_rank(x, name)
         if len(pairs) > 1:
-            return y + self.delta(x, name)
+            return y + torch.cat([nn.functional.linear(low, b) for low, b in pairs], dim=-1)
         low, b = pairs[0]
         return torch.addmm(y.reshape(-1, y.shape[-1]), low.reshape(-1, low.shape[-1]), b.t()).view(y.shape)
 
     DENSE_SHARE = 4
-    """Mixed batches without gradients take the dense path while the adapters' ranks side by side stay within
-    1/``DENSE_SHARE`` of the layer's narrower side (its extra arithmetic then under half the base layer's)."""
+    """The dense path is taken while the adapters' ranks side by side stay within 1/``DENSE_SHARE`` of the layer's
+    narrower side (its extra arithmetic then under half the base layer's)."""
+    DENSE_MAX_TOKENS = 1024
+    """... and for calls of at most this many tokens (decoding steps, short prompts), where op overhead rather than
+    arithmetic is what the per-group path costs."""
 
     def _dense(self, routing: Routing, x: torch.Tensor) -> _Dense | None:
-        """Every group's adapter side by side for this routing (made once and kept while the routing and the
-        adapters' tensors stay the same), or None where the dense path does not pay or apply: several slots, or
-        ranks side by side too wide."""
-        if len(self.adapters.slots) != 1:
+        """Every group's adapter side by side (made once and kept while the groups' adapters and their tensors
+        stay the same, whichever rows they cover), or None where the dense path does not apply: adapters that
+        train (an optimizer may change them in place without a version torch can see: fused AdamW), several slots,
+        a long call, or ranks side by side too wide."""
+        if len(self.adapters.slots) != 1 or x.numel() > self.DENSE_MAX_TOKENS * x.shape[-1]:
             return None
         pairs = [self.adapters.pairs.get(name) if name is not None else None for name, _, _ in routing.groups]
-        rank = max((p[0][0].shape[0] for p in pairs if p), default=0)
+        held = [pair[0] for pair in pairs if pair]
+        rank = max((a.shape[0] for a, _ in held), default=0)
         base = self.base
-        if not rank or len(pairs) * rank * self.DENSE_SHARE > min(base.in_features, base.out_features):
+        if (not rank or any(a.requires_grad or b.requires_grad for a, b in held)
+                or len(pairs) * rank * self.DENSE_SHARE > min(base.in_features, base.out_features)):
             return None
-        key = (routing.groups, x.device, x.dtype, tuple((id(a), a._version, id(b), b._version, self.adapters.scaling[n])
-                                                         for (n, _, _), p in zip(routing.groups, pairs, strict=True)
-                                                         if p for a, b in p))
+        names = tuple(name for name, _, _ in routing.groups)
+        key = (names, x.device, x.dtype, tuple((id(a), a._version, id(b), b._version, self.adapters.scaling[n])
+                                               for n, p in zip(names, pairs, strict=True) if p for a, b in p))
         kept = self._dense_cache.entry
         if kept is not None and kept.key == key:
             return kept
-        width = len(pairs) * rank
-        a = torch.zeros((width, base.in_features), device=x.device, dtype=x.dtype)
-        b = torch.zeros((base.out_features, width), device=x.device, dtype=x.dtype)
-        mask = torch.zeros((routing.rows, width), device=x.device, dtype=x.dtype)
-        for i, ((name, lo, hi), pair) in enumerate(zip(routing.groups, pairs, strict=True)):
-            if not pair:
-                continue
-            (pa, pb), = pair
-            r = pa.shape[0]
-            a[i * rank:i * rank + r] = pa.detach() * self.adapters.scaling[name]
-            b[:, i * rank:i * rank + r] = pb.detach()
-            mask[lo:hi, i * rank:(i + 1) * rank] = 1
-        self._dense_cache.entry = _Dense(key, a, b, mask)
+        a = torch.zeros((len(pairs) * rank, base.in_features), device=x.device, dtype=x.dtype)
+        b = torch.zeros((base.out_features, len(pairs) * rank), device=x.device, dtype=x.dtype)
+        for i, (name, pair) in enumerate(zip(names, pairs, strict=True)):
+            if pair:
+                (pa, pb), = pair
+                a[i * rank:i * rank + pa.shape[0]] = pa * self.adapters.scaling[name]
+                b[:, i * rank:i * rank + pa.shape[0]] = pb
+        self._dense_cache.entry = _Dense(key, a, b, rank)
         return self._dense_cache.entry
 
-    @staticmethod
-    def _plus_dense(y: torch.Tensor, x: torch.Tensor, routing: Routing, dense: _Dense) -> torch.Tensor:
+    def _plus_dense(self, y: torch.Tensor, x: torch.Tensor, routing: Routing, dense: _Dense) -> torch.Tensor:
         """``y`` plus each row's own adapter's contribution, every group at once: x through all the groups' A,
-        the blocks of other groups zeroed by the mask, then through all the B (three ops for any number of
-        adapters, where the per-group path takes five per group: on a small model decoding 32 rows of 8 adapters,
-        op overhead rather than arithmetic)."""
+        the blocks of other groups zeroed (``Router.row_groups``), then through all the B (three ops for any number
+        of adapters, where the per-group path takes five per group: on a small model decoding 32 rows of 8
+        adapters, op overhead rather than arithmetic)."""
         low = nn.functional.linear(x, dense.a)
-        low = (low.reshape(routing.rows, -1, low.shape[-1]) * dense.mask[:, None, :]).reshape(-1, low.shape[-1])
-        return torch.addmm(y.reshape(-1, y.shape[-1]), low, dense.b.t()).view(y.shape)
+        groups = self.router.row_groups(routing, x.device, x.dtype)
+        low = (low.reshape(routing.rows, -1, groups.shape[1], dense.rank) * groups[:, None, :, None])
+        return torch.addmm(y.reshape(-1, y.shape[-1]), low.reshape(-1, dense.a.shape[0]), dense.b.t()).view(y.shape)
 
     def _low_rank(self, x: torch.Tensor, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per slot: ``scale · x·Aᵀ`` (the scale on the rank-r side, the narrow one) and the B it goes through."""
@@ -199,16 +200,16 @@ class LoRALinear(nn.Module):
 
 @dataclass(frozen=True)
 class _Dense:
-    """Every adapter of a routing side by side, for ``LoRALinear._plus_dense``: A of each group stacked (its scale
-    folded in, ranks padded with zeros to the largest) and B beside each other, and which block each row keeps."""
+    """The adapters of a routing's groups side by side, for ``LoRALinear._plus_dense``: A of each group stacked (its
+    scale folded in, its rank padded with zeros to ``rank``) and B beside each other; a base group, or one whose
+    adapter this layer does not carry, is a block of zeros."""
 
     key: tuple
     a: torch.Tensor
     """``[groups × rank, in]``."""
     b: torch.Tensor
     """``[out, groups × rank]``."""
-    mask: torch.Tensor
-    """``[rows, groups × rank]``: 1 on the block of the row's own group, 0 elsewhere (all of a base row's)."""
+    rank: int
 
 
 class _DenseCache:

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -40,6 +42,17 @@ class Router:
 
     def __init__(self) -> None:
         self.current: Routing | None = None
+        self._row_groups: tuple[tuple, torch.Tensor] | None = None
+
+    def row_groups(self, routing: Routing, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, groups]``: 1 where a row belongs to a group, else 0; made once per routing for every layer."""
+        key = (routing.groups, device, dtype)
+        if self._row_groups is None or self._row_groups[0] != key:
+            table = torch.zeros((routing.rows, len(routing.groups)), device=device, dtype=dtype)
+            for i, (_, lo, hi) in enumerate(routing.groups):
+                table[lo:hi, i] = 1
+            self._row_groups = (key, table)
+        return self._row_groups[1]
 
     def routing(self, names: list[str | None] | None):
         """A context in which rows go through ``names`` (None: every row through the base model)."""
