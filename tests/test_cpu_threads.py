@@ -59,8 +59,9 @@ def test_a_container_cpu_quota_is_read(tmp_path, files, quota):
     assert cgroup_cpu_quota(tmp_path) == quota
 
 
-def test_a_sampler_idle_threads_sleep_unless_the_operator_chose(monkeypatch):
+def test_a_transformers_sampler_idle_threads_sleep_unless_the_operator_chose(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert sampler_environment() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert sampler_environment("transformers") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert sampler_environment("vllm") == {}  # vLLM's workers run as vLLM sets them
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert sampler_environment() == {}  # the actors inherit the operator's
+    assert sampler_environment("transformers") == {}  # the actors inherit the operator's

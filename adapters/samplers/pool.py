@@ -79,8 +79,8 @@ class SamplerActor:
         if self.impl.dead:
             raise Restarting(f"its backend stopped ({self.impl.dead})")
 
-    def stats(self) -> dict:
-        facts = self.impl.facts()
+    async def stats(self) -> dict:
+        facts = await self.facts()  # also after Ray restarted this actor, its threads read again
         return {**self.impl.stats(), "resident_limit": facts.max_resident,
                 "tensor_parallel_size": facts.tensor_parallel_size, "torch_threads": list(self.threads),
                 "node": ray_node(), "pid": os.getpid()}
@@ -176,7 +176,7 @@ class SamplerPool:
                 # demand, as after any eviction.
                 _Replica(remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
                                             max_restarts=-1, max_task_retries=0,
-                                            runtime_env={"env_vars": sampler_environment()})
+                                            runtime_env={"env_vars": sampler_environment(p.backend)})
                          .remote(spec.location, p))
                 for _ in range(p.count)])
         for name, base in self.bases.items():

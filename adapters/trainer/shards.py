@@ -29,6 +29,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -105,8 +106,8 @@ class Shards:
         so they divide its CPUs between them (``adapters.cpu_threads``)."""
         if self.world == 1:
             return 1
-        here = socket.gethostname()
-        return sum(host == here for host in self.everywhere(here))
+        here = machine_id()
+        return sum(machine == here for machine in self.everywhere(here))
 
     def everywhere(self, value: T) -> list[T]:
         """Every shard's ``value`` (picklable), on every shard."""
@@ -206,6 +207,15 @@ class Shards:
                   self.rank, self.world, type(exc).__name__, str(exc)[:500])
         logging.shutdown()
         os._exit(70)
+
+
+def machine_id() -> str:
+    """Which machine this process runs on, for counting the shards that share its CPUs: the kernel's boot id, which
+    the containers and Ray nodes of one machine share and cloned machines do not (else the host name)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def load_base(location: str, dtype: torch.dtype, shards: Shards) -> nn.Module:
