@@ -79,7 +79,7 @@ def main() -> None:
     params = non_embedding_params(directory)
     rows = []
 
-    def measure(name: str, step: Callable[[], None], path: str = "in-process", adapters: int | None = None,
+    def measure(name: str, step: Callable[[], None], path: str = "in-process", adapters: int = 1,
                 **extra) -> None:
         step()  # warm-up
         seconds = []
@@ -90,8 +90,6 @@ def main() -> None:
             seconds.append(time.perf_counter() - started)
         best = float(np.median(seconds))
         rate = total_tokens / best
-        if adapters is None:
-            adapters = args.adapters if str(args.adapters) in name else 1
         rows.append({"workload": name, "path": path, "adapters": adapters, "tokens_per_step": total_tokens,
                      "seconds_per_step": best, "tokens_per_second": rate, "mfu": mfu(params, rate),
                      "peak_gb": _peak_gb() if path == "in-process" else None, **extra})
@@ -101,13 +99,14 @@ def main() -> None:
         server = None if args.no_server else stack.enter_context(served(directory, *args.server_flag))
         measure("plain PEFT, 1 adapter", plain_peft_step(str(directory), everything, args.rank, trainer.device))
         measure("this trainer in-process, 1 adapter", one_adapter)
-        measure(f"this trainer in-process, {args.adapters} adapters, one mixed batch", mixed)
-        measure(f"this trainer in-process, {args.adapters} adapters, one after another", sequential)
+        measure(f"this trainer in-process, {args.adapters} adapters, one mixed batch", mixed, adapters=args.adapters)
+        measure(f"this trainer in-process, {args.adapters} adapters, one after another", sequential,
+                adapters=args.adapters)
         if server is not None:
             server_rows(server, directory, per_adapter, args, measure)
     peft = rows[0]["tokens_per_second"]
     for row in rows:
-        single = next(r for r in rows if r["path"] == row["path"] and r["adapters"] == 1)["tokens_per_second"]
+        single = next(r for r in rows[1:] if r["path"] == row["path"] and r["adapters"] == 1)["tokens_per_second"]
         row["relative_to_plain_peft"] = row["tokens_per_second"] / peft
         row["relative_to_1_adapter"] = row["tokens_per_second"] / single
     flags = "".join(f"-{flag.lstrip('-')}" for flag in args.server_flag)  # e.g. -trainer-threads-1
