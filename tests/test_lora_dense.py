@@ -91,6 +91,13 @@ def test_rows_leaving_the_batch_keep_the_weights_and_regroup():
     torch.testing.assert_close(got, reference(linear, x[fewer], names), atol=1e-5, rtol=1e-5)
 
 
+def per_group(linear: LoRALinear, x: torch.Tensor, atol: float = 1e-5) -> None:
+    """``linear`` takes the per-group path for ``x`` (nothing kept side by side), and computes it right."""
+    got = run(linear, x, NAMES)
+    assert linear._dense_cache.entry is None
+    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=atol, rtol=1e-5)
+
+
 def test_adapters_that_train_take_the_per_group_path_even_without_gradients():
     """A trainer's forward-only pass: its adapters may have been stepped in place by a fused optimizer since, which
     torch's version counter does not see, so nothing of them is kept."""
@@ -98,35 +105,21 @@ def test_adapters_that_train_take_the_per_group_path_even_without_gradients():
     for pair in linear.adapters.pairs.values():
         for tensor in pair[0]:
             tensor.requires_grad_(True)
-    x = torch.randn(len(NAMES), 2, IN)
     with torch.no_grad():
-        got = run(linear, x, NAMES)
-        assert linear._dense_cache.entry is None
-        torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+        per_group(linear, torch.randn(len(NAMES), 2, IN))
 
 
 def test_a_long_call_takes_the_per_group_path():
-    linear = layer()
-    x = torch.randn(len(NAMES), LoRALinear.DENSE_MAX_TOKENS // len(NAMES) + 1, IN)
     with torch.no_grad():
-        got = run(linear, x, NAMES)
-    assert linear._dense_cache.entry is None
-    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-4, rtol=1e-5)
+        per_group(layer(), torch.randn(len(NAMES), LoRALinear.DENSE_MAX_TOKENS // len(NAMES) + 1, IN), atol=1e-4)
 
 
 def test_with_gradients_the_per_group_path_runs_and_agrees():
-    linear = layer()
-    x = torch.randn(len(NAMES), 2, IN, requires_grad=True)
-    got = run(linear, x, NAMES)
-    assert linear._dense_cache.entry is None
-    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+    per_group(layer(), torch.randn(len(NAMES), 2, IN, requires_grad=True))
 
 
 def test_ranks_too_wide_side_by_side_take_the_per_group_path():
     linear = layer()
     linear.adapters.put("b", [pair(16)], 1.0, torch.device("cpu"), False)
-    x = torch.randn(len(NAMES), 2, IN)
     with torch.no_grad():
-        got = run(linear, x, NAMES)
-    assert linear._dense_cache.entry is None  # 6 groups × rank 16 × 4 > 192
-    torch.testing.assert_close(got, reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
+        per_group(linear, torch.randn(len(NAMES), 2, IN))  # 6 groups × rank 16 × 4 > 192
