@@ -8,14 +8,14 @@ does the work. So by default every actor runs as many torch threads as the CPUs 
 
 - **One busy actor gets the whole machine.** An RL loop samples, then trains; a supervised run only trains. Split
   evenly, each phase would run on half the cores.
-- **A transformers sampler's idle threads sleep** (``OMP_WAIT_POLICY=PASSIVE``, set in its actor's environment
-  before torch loads, unless the operator set it; vLLM's workers keep vLLM's settings). OpenMP threads spin for a while after each parallel region; decoding runs
-  thousands of tiny regions, so a decoder's threads spin almost all the time, on the cores the trainer needs.
-  Measured on 2 cores, a trainer step loop and a decode loop running at once, 2 threads each: decode fell from 139
-  tokens/s (1 thread each, cores split) to 12 with both spinning, and ran at 93-99 with the decoder's threads
-  sleeping (the trainer at 186, 317-327; 291 split). The trainer's regions are long matmuls, its threads seldom wait,
-  and whether they spin changed nothing there (317 spinning, 327 sleeping), while sleeping cost the trainer about 3%
-  through the server alone, so the trainer keeps OpenMP's default.
+- **A transformers sampler's idle threads sleep** (``OMP_WAIT_POLICY=PASSIVE``, set in its actor's environment before
+  torch loads, unless the operator set it; vLLM's workers keep vLLM's settings). OpenMP threads spin for a while after
+  each parallel region; decoding runs thousands of tiny regions, so a decoder's threads spin almost all the time, on
+  the cores the trainer needs. Measured on 2 cores, a trainer step loop and a decode loop running at once, 2 threads
+  each: decode fell from 139 tokens/s (1 thread each, cores split) to 12 with both spinning, and ran at 93-99 with the
+  decoder's threads sleeping (the trainer at 186, 317-327; 291 split). The trainer's regions are long matmuls, its
+  threads seldom wait, and whether they spin changed nothing there (317 spinning, 327 sleeping), while sleeping cost
+  the trainer about 3% through the server alone, so the trainer keeps OpenMP's default.
 - **Processes that are always busy together divide the cores**: the shards of one sharded trainer on one machine
   run every pass in lockstep, so each takes its share (``peers`` below); a vLLM engine's CPU workers get their own
   cores (vLLM's binding, ``adapters.samplers.vllm.parallel``). Several sampler replicas of one model on one machine
