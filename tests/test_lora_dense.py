@@ -123,3 +123,17 @@ def test_ranks_too_wide_side_by_side_take_the_per_group_path():
     linear.adapters.put("b", [pair(16)], 1.0, torch.device("cpu"), False)
     with torch.no_grad():
         per_group(linear, torch.randn(len(NAMES), 2, IN))  # 6 groups × rank 16 × 4 > 192
+
+
+def test_an_adapter_with_non_finite_weights_reaches_only_its_own_rows():
+    """Side by side, every row would meet its NaN (0 · NaN is NaN): it takes the per-group path, and the other
+    adapters' rows are exact."""
+    linear = layer()
+    linear.adapters.pairs["c"][0][1][0, 0] = float("nan")
+    x = torch.randn(len(NAMES), 2, IN)
+    with torch.no_grad():
+        got = run(linear, x, NAMES)
+    assert linear._dense_cache.entry is None
+    others = [i for i, name in enumerate(NAMES) if name != "c"]
+    torch.testing.assert_close(got[others], reference(linear, x, NAMES)[others], atol=1e-5, rtol=1e-5)
+    assert torch.isnan(got[[i for i, name in enumerate(NAMES) if name == "c"]]).any()

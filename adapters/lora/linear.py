@@ -128,8 +128,8 @@ class LoRALinear(nn.Module):
     def _dense(self, routing: Routing, x: torch.Tensor) -> _Dense | None:
         """Every group's adapter side by side (made once and kept while the groups' adapters and their tensors
         stay the same, whichever rows they cover), or None where the dense path does not apply: adapters that
-        train (an optimizer may change them in place without a version torch can see: fused AdamW), several slots,
-        a long call, or ranks side by side too wide."""
+        train (an optimizer may change them in place without a version torch can see: fused AdamW), weights that
+        are not finite, several slots, a long call, or ranks side by side too wide."""
         if len(self.adapters.slots) != 1 or x.numel() > self.DENSE_MAX_TOKENS * x.shape[-1]:
             return None
         pairs = [self.adapters.pairs.get(name) if name is not None else None for name, _, _ in routing.groups]
@@ -145,6 +145,11 @@ class LoRALinear(nn.Module):
         kept = self._dense_cache.entry
         if kept is not None and kept.key == key:
             return kept
+        # Every row meets every adapter's weights here (0 · NaN is NaN): one adapter's non-finite weights would
+        # reach the rows of all the others. Such an adapter fails its own rows alone, on the per-group path.
+        if not all(bool(torch.isfinite(a).all() and torch.isfinite(b).all()) for a, b in held):
+            self._dense_cache.entry = None
+            return None
         a = torch.zeros((len(pairs) * rank, base.in_features), device=x.device, dtype=x.dtype)
         b = torch.zeros((base.out_features, len(pairs) * rank), device=x.device, dtype=x.dtype)
         for i, (name, pair) in enumerate(zip(names, pairs, strict=True)):
