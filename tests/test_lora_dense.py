@@ -137,3 +137,16 @@ def test_an_adapter_with_non_finite_weights_reaches_only_its_own_rows():
     others = [i for i, name in enumerate(NAMES) if name != "c"]
     torch.testing.assert_close(got[others], reference(linear, x, NAMES)[others], atol=1e-5, rtol=1e-5)
     assert torch.isnan(got[[i for i, name in enumerate(NAMES) if name == "c"]]).any()
+
+
+def test_an_adapter_that_overflows_on_other_rows_leaves_them_exact():
+    """Finite weights so large that x·Aᵀ overflows: on the rows of other adapters that block is dropped, not
+    multiplied by 0 (which would make it NaN)."""
+    linear = layer()
+    linear.adapters.pairs["a"][0][0].fill_(3e38)
+    x = torch.randn(len(NAMES), 2, IN)
+    with torch.no_grad():
+        got = run(linear, x, NAMES)
+        assert linear._dense_cache.entry is not None
+    others = [i for i, name in enumerate(NAMES) if name != "a"]
+    torch.testing.assert_close(got[others], reference(linear, x, NAMES)[others], atol=1e-5, rtol=1e-5)

@@ -166,8 +166,9 @@ class LoRALinear(nn.Module):
         of adapters, where the per-group path takes five per group: on a small model decoding 32 rows of 8
         adapters, op overhead rather than arithmetic)."""
         low = nn.functional.linear(x, dense.a)
-        groups = self.router.row_groups(routing, x.device, x.dtype)
-        low = (low.reshape(routing.rows, -1, groups.shape[1], dense.rank) * groups[:, None, :, None])
+        groups = self.router.row_groups(routing, x.device)
+        # Selected, not multiplied by 0: another adapter's block may overflow on this row (0 · inf is NaN).
+        low = torch.where(groups[:, None, :, None], low.reshape(routing.rows, -1, groups.shape[1], dense.rank), 0)
         return torch.addmm(y.reshape(-1, y.shape[-1]), low.reshape(-1, dense.a.shape[0]), dense.b.t()).view(y.shape)
 
     def _low_rank(self, x: torch.Tensor, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

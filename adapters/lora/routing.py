@@ -44,13 +44,13 @@ class Router:
         self.current: Routing | None = None
         self._row_groups: tuple[tuple, torch.Tensor] | None = None
 
-    def row_groups(self, routing: Routing, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """``[rows, groups]``: 1 where a row belongs to a group, else 0; made once per routing for every layer."""
-        key = (routing.groups, device, dtype)
+    def row_groups(self, routing: Routing, device: torch.device) -> torch.Tensor:
+        """``[rows, groups]``: True where a row belongs to a group; made once per routing for every layer."""
+        key = (routing.groups, device)
         if self._row_groups is None or self._row_groups[0] != key:
-            table = torch.zeros((routing.rows, len(routing.groups)), device=device, dtype=dtype)
+            table = torch.zeros((routing.rows, len(routing.groups)), device=device, dtype=torch.bool)
             for i, (_, lo, hi) in enumerate(routing.groups):
-                table[lo:hi, i] = 1
+                table[lo:hi, i] = True
             self._row_groups = (key, table)
         return self._row_groups[1]
 
