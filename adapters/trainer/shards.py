@@ -204,7 +204,7 @@ class Shards:
         """A shared pass failed on this shard: the others are waiting for it in a collective, and the pass cannot be
         resumed. Exit, so the pool restarts the group (its runs reloaded from their checkpoints)."""
         log.error("trainer shard %d of %d: a shared pass failed (%s: %s); the shard exits so that its group restarts",
-                  self.rank, self.world, type(exc).__name__, str(exc)[:500])
+                  self.rank, self.world, type(exc).__name__, str(exc)[:500], exc_info=exc)
         logging.shutdown()
         os._exit(70)
 
