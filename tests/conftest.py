@@ -1,4 +1,11 @@
-"""Shared fixtures: one built tiny model, and one real server subprocess for the whole test session."""
+"""Shared fixtures: one built tiny model, and the real servers the whole run shares.
+
+The suite runs in parallel (pytest-xdist, ``-n auto --dist loadgroup`` in pyproject.toml): each test module runs in
+one worker, so a module's own server starts once, and the session servers (``transformers_server``, ``vllm_server``,
+``keyed_server``) start once for the whole run, in the first worker that needs one, and serve every worker
+(``tests.server.shared_server``); the controller stops them when the run ends. The model cache and the servers'
+registry are directories the controller makes before the workers start, so every worker finds them.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 
 # Tests never touch a model hub; the tinker SDK's get_tokenizer() must resolve locally, from a Hugging Face cache of
@@ -14,6 +22,68 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_CACHE", tempfile.mkdtemp(prefix="compat-server-test-hf-"))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+REGISTRY_ENV = "COMPAT_SERVER_TEST_SERVERS"
+"""The directory where the run's shared servers are recorded (``tests.server.shared_server``)."""
+
+WORKER_MEMORY_GIB = 3.0
+"""Memory one more worker costs at its peak here: its own test process (torch, the SDKs, reference models) and the
+servers its modules start (a server with its Ray processes holds 1–3 GiB)."""
+
+
+def pytest_configure(config) -> None:
+    """In the controller (or a run without workers): the directories every worker shares, made before they start."""
+    if hasattr(config, "workerinput"):
+        return
+    os.environ.setdefault(REGISTRY_ENV, tempfile.mkdtemp(prefix="compat-server-test-servers-"))
+    os.environ.setdefault("COMPAT_SERVER_TEST_CACHE", tempfile.mkdtemp(prefix="compat-server-test-cache-"))
+
+
+def pytest_unconfigure(config) -> None:
+    """The run is over (every worker has finished): stop the shared servers."""
+    if hasattr(config, "workerinput") or REGISTRY_ENV not in os.environ:
+        return
+    from tests.server import stop_shared_servers
+
+    stop_shared_servers(Path(os.environ[REGISTRY_ENV]))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker more than the machine has cores, since most of a worker's time is spent waiting on
+    servers (their start, their requests); fewer where memory would not hold them."""
+    cores = len(os.sched_getaffinity(0))
+    memory = psutil.virtual_memory().total / 2**30
+    return max(1, min(cores + 1, int(memory // WORKER_MEMORY_GIB)))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each module runs in one worker (its module-scoped servers start once), and the slowest modules go first, so
+    that no worker is left with a long one at the end while the others idle."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
+
+
+SLOW_FIRST: tuple[str, ...] = ()
+"""Modules that take the longest, longest first (measured from CI's per-module durations): the order only, which
+no test depends on."""
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Each module's time (its tests' set-up, call and tear-down, servers started for it included), slowest first:
+    what to look at when the run grows slow."""
+    spent: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) and hasattr(report, "duration"):
+                module = report.nodeid.split("::", 1)[0]
+                spent[module] = spent.get(module, 0.0) + report.duration
+    if spent:
+        terminalreporter.section("time per module")
+        for module, seconds in sorted(spent.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
 
 
 def pytest_report_header(config) -> str:
@@ -49,6 +119,12 @@ tenants for the whole run, and most clients stay open until it ends: more traini
 trainer holds by default (64)."""
 
 
+def _shared(name: str, start):
+    from tests.server import shared_server
+
+    return shared_server(Path(os.environ[REGISTRY_ENV]), name, start)
+
+
 @pytest.fixture(scope="session")
 def transformers_server(model_cache, tmp_path_factory):
     """The server most tests share: the default sampler backend on CPU (transformers). It runs without
@@ -56,9 +132,8 @@ def transformers_server(model_cache, tmp_path_factory):
     sends the server to the hub (``test_cli_and_model`` reads its log for that)."""
     from tests.server import start_server
 
-    running = start_server(tmp_path_factory.mktemp("server-data"), *SERVER_ARGS, env={"HF_HUB_OFFLINE": "0"})
-    yield running
-    running.stop()
+    return _shared("transformers", lambda: start_server(tmp_path_factory.mktemp("server-data"), *SERVER_ARGS,
+                                                         env={"HF_HUB_OFFLINE": "0"}, detached=True))
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +144,8 @@ def vllm_server(model_cache, tmp_path_factory):
     from tests.server import start_server
 
     skip_without_vllm()
-    running = start_server(tmp_path_factory.mktemp("vllm-server-data"), "--sampler-backend", "vllm", *SERVER_ARGS,
-                           timeout=400)
-    yield running
-    running.stop()
+    return _shared("vllm", lambda: start_server(tmp_path_factory.mktemp("vllm-server-data"), "--sampler-backend",
+                                                "vllm", *SERVER_ARGS, timeout=400, detached=True))
 
 
 @pytest.fixture(scope="session")
@@ -85,16 +158,20 @@ def keyed_server(model_cache, tmp_path_factory):
     from tests.helpers import keys_command
     from tests.server import start_server
 
-    data_dir = tmp_path_factory.mktemp("keyed-server")
-    issued = {}
-    for name in ("alice", "bob", "revoked-soon", "logs-out", "token-holder"):
-        created = keys_command(data_dir, "create", "--name", name)
-        assert created.returncode == 0, created.stderr
-        issued[name] = created.stdout.strip()
-    running = start_server(data_dir, "--auth", "keys", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "3600",
-                           "--disable-any-whitespace")
-    yield running, issued
-    running.stop()
+    def start():
+        data_dir = tmp_path_factory.mktemp("keyed-server")
+        issued = {}
+        for name in ("alice", "bob", "revoked-soon", "logs-out", "token-holder"):
+            created = keys_command(data_dir, "create", "--name", name)
+            assert created.returncode == 0, created.stderr
+            issued[name] = created.stdout.strip()
+        running = start_server(data_dir, "--auth", "keys", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds",
+                               "3600", "--disable-any-whitespace", detached=True)
+        running.extra["issued"] = issued
+        return running
+
+    running = _shared("keyed", start)
+    return running, running.extra["issued"]
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,9 @@ import torch
 from tinker import types
 
 BASE_MODEL = "compat-server/tiny-qwen3"
+MAIN_KEY = f"tml-test-main{os.environ.get('PYTEST_XDIST_WORKER', '')}"
+"""The tenant most tests act as on the shared servers: one per pytest-xdist worker, so that what a test counts of
+its own tenant (futures, runs, checkpoints) is not changed by a module running beside it in another worker."""
 ADAM = types.AdamParams(learning_rate=1e-3)
 
 
@@ -45,7 +48,7 @@ def logprob_tolerance(dtype: str) -> float:
 
 def service_client_for(server):
     """A tinker ``ServiceClient`` of the main test key on ``server``, closed after use (a fixture's body)."""
-    client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-main")
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=MAIN_KEY)
     yield client
     client.close("success")
 

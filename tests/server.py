@@ -1,16 +1,24 @@
-"""Start the real server as a subprocess on 127.0.0.1 and wait until it answers."""
+"""Start the real server as a subprocess on 127.0.0.1 and wait until it answers; and the servers the whole test run
+shares (``shared_server``): started once by whichever pytest-xdist worker needs one first, used by every worker, and
+stopped by the run's controller when every worker is done."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
+import psutil
 
 
 def free_port() -> int:
@@ -21,7 +29,9 @@ def free_port() -> int:
 
 @dataclass
 class RunningServer:
-    process: subprocess.Popen
+    pid: int
+    args: list[str]
+    """The server's command line."""
     base_url: str
     data_dir: Path
     log_path: Path
@@ -29,6 +39,10 @@ class RunningServer:
     """An operator key (``keys create --admin``): the one that sees server-wide metrics."""
     env: dict[str, str]
     """The environment variables the test set for it, beyond its own."""
+    extra: dict = field(default_factory=dict)
+    """What the fixture that started it keeps beside it (``keyed_server``: the keys it issued)."""
+    process: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    """The process, in the test process that started it; None in the other workers of a shared server."""
 
     @property
     def admin(self) -> dict[str, str]:
@@ -38,29 +52,92 @@ class RunningServer:
         return self.log_path.read_text(errors="replace")
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        if self.process is not None:
+            return self.process.poll() is None
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+            return
+        try:
+            process = psutil.Process(self.pid)
+            process.terminate()
+            process.wait(timeout=30)
+        except psutil.TimeoutExpired:
+            os.kill(self.pid, signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name != "process"}, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunningServer:
+        fields_ = json.loads(text)
+        return cls(**{**fields_, "data_dir": Path(fields_["data_dir"]), "log_path": Path(fields_["log_path"])})
 
 
 def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = None,
-                 timeout: float = 180, attempts: int = 3) -> RunningServer:
+                 timeout: float = 180, attempts: int = 3, detached: bool = False) -> RunningServer:
     """Start a server on a free port. The port is free when chosen, but the server binds it only once it is ready,
-    seconds later, and Ray processes pick random ports meanwhile; losing that race retries with another port."""
+    seconds later, and Ray processes pick random ports meanwhile; losing that race retries with another port.
+    ``detached``: in a session of its own, so that it outlives the worker that started it (``shared_server``)."""
     for attempt in range(attempts):
         try:
-            return _start_once(data_dir, extra_args, env, timeout)
+            return _start_once(data_dir, extra_args, env, timeout, detached)
         except PortTaken:
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def shared_server(registry: Path, name: str, start: Callable[[], RunningServer]) -> RunningServer:
+    """The run's server ``name``: ``start()`` (which must start it ``detached``) in the first worker that asks, the same
+    server in every later one. ``registry`` is a directory every worker of the run sees (``shared_registry``); the
+    controller stops what it lists at the end of the run (``stop_shared_servers``). A server that failed to start is
+    not retried by the next worker: its error is recorded and raised again, so one broken start is reported once per
+    worker rather than costing each worker the start's timeout."""
+    registry.mkdir(parents=True, exist_ok=True)
+    record, failure = registry / f"{name}.json", registry / f"{name}.failed"
+    with _locked(registry / f"{name}.lock"):
+        if failure.exists():
+            raise RuntimeError(f"the shared {name} server failed to start in another worker:\n{failure.read_text()}")
+        if record.exists():
+            return RunningServer.from_json(record.read_text())
+        try:
+            server = start()
+        except Exception as exc:
+            failure.write_text(f"{type(exc).__name__}: {exc}")
+            raise
+        record.write_text(server.to_json())
+        return server
+
+
+def stop_shared_servers(registry: Path) -> None:
+    """Stop every server ``shared_server`` started under ``registry`` (the controller, once the run is over)."""
+    for record in sorted(registry.glob("*.json")):
+        RunningServer.from_json(record.read_text()).stop()
+        record.unlink()
 
 
 def _admin_key(data_dir: Path) -> str:
@@ -79,18 +156,18 @@ class PortTaken(RuntimeError):
 
 
 def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str] | None,
-                timeout: float) -> RunningServer:
+                timeout: float, detached: bool) -> RunningServer:
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     admin_key = _admin_key(data_dir)
     log_path = data_dir / "server.log"
     log_file = open(log_path, "wb")  # noqa: SIM115 - the child process writes to it for its whole life
-    process = subprocess.Popen(
-        [sys.executable, "-m", "compat_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args],
-        stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-    )
-    server = RunningServer(process, f"http://127.0.0.1:{port}", data_dir, log_path, admin_key, dict(env or {}))
+    args = [sys.executable, "-m", "compat_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args]
+    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                               start_new_session=detached)
+    server = RunningServer(process.pid, args, f"http://127.0.0.1:{port}", data_dir, log_path, admin_key,
+                           dict(env or {}), process=process)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -14,7 +14,7 @@ import pytest
 from tinker import types
 from transformers import AutoTokenizer
 
-from tests.helpers import BASE_MODEL, make_datum, on_both_sampler_backends
+from tests.helpers import BASE_MODEL, MAIN_KEY, make_datum, on_both_sampler_backends
 
 server, service_client = on_both_sampler_backends()  # every test here runs once per sampler backend
 
@@ -42,7 +42,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="tml-test-main", max_retries=0)
+    return anthropic.Anthropic(base_url=server.base_url, api_key=MAIN_KEY, max_retries=0)
 
 
 def request(**fields) -> dict:

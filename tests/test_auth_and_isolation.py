@@ -10,7 +10,7 @@ import openai
 import pytest
 import tinker
 
-from tests.helpers import BASE_MODEL, make_datum
+from tests.helpers import BASE_MODEL, MAIN_KEY, make_datum
 from tests.helpers import keys_command as keys
 
 
@@ -53,7 +53,7 @@ def test_another_key_cannot_reach_private_objects(server, service_client):
     owner.forward_backward([make_datum([1, 2], [3])], "cross_entropy").result()
     sampler_path = owner.save_weights_for_sampler("private").result().path
     state_path = owner.save_state("private-state").result().path
-    mine, theirs = {"X-API-Key": "tml-test-main"}, {"X-API-Key": "tml-test-stranger"}
+    mine, theirs = {"X-API-Key": MAIN_KEY}, {"X-API-Key": "tml-test-stranger"}
     sample = {"num_samples": 1, "base_model": BASE_MODEL, "sampling_params": {"max_tokens": 1},
               "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}}
     request_id = httpx.post(f"{server.base_url}/api/v1/asample", headers=mine, json=sample).json()["request_id"]

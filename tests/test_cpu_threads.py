@@ -27,7 +27,7 @@ def test_every_actor_of_the_default_server_runs_the_machine_cpus(server):
     replicas = answer["sampling"][BASE_MODEL]["replicas"]
     workers = [n for replica in replicas for n in replica["torch_threads"]]
     assert len(workers) == len(replicas) >= 1  # one process computes per replica (vLLM: its one worker)
-    if "vllm" in server.process.args:  # vLLM's CPU worker: the cores vLLM bound it to, as vLLM logged them
+    if "vllm" in server.args:  # vLLM's CPU worker: the cores vLLM bound it to, as vLLM logged them
         bound = re.findall(r"local_rank=0, core ids=\[([\d, ]+)\]", server.log())
         assert bound, "vLLM logged no CPU binding"
         assert workers == [len(bound[-1].split(","))] * len(replicas)

@@ -18,9 +18,9 @@ from tinker import types
 from compat_server.training.custom_losses import CustomLossStore
 from shims.custom_loss.graph import CustomLossLimits, compile_custom_loss
 from shims.errors import UserError
-from tests.helpers import BASE_MODEL, expect_user_error
+from tests.helpers import BASE_MODEL, MAIN_KEY, expect_user_error
 
-KEY = "tml-test-main"
+KEY = MAIN_KEY
 RANKS = {"logprobs": 1, "chosen_mask": 1, "rejected_mask": 1, "ref_logprobs": 1, "beta": 0}
 
 

@@ -15,7 +15,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.helpers import BASE_MODEL, settled_decoded_tokens
+from tests.helpers import BASE_MODEL, MAIN_KEY, settled_decoded_tokens
 
 PROMPT = types.ModelInput.from_ints([11, 42, 77, 103, 250])
 SHORT = types.SamplingParams(max_tokens=3, temperature=1.0)
@@ -71,7 +71,7 @@ def test_retrieve_futures_reports_failures_and_refuses_other_keys(server, servic
         bad.result(timeout=60)  # a failed sample reaches its waiter through the session poll, too
     body = {"target": {"type": "sampling_session", "sampling_session_id": sampler._sampling_session_id},
             "prev_cursor": 0, "timeout": 0}
-    mine = httpx.post(f"{server.base_url}/api/v1/retrieve_futures", json=body, headers={"X-API-Key": "tml-test-main"})
+    mine = httpx.post(f"{server.base_url}/api/v1/retrieve_futures", json=body, headers={"X-API-Key": MAIN_KEY})
     assert mine.status_code == 200 and any(c["state"] == "failed" for c in mine.json()["completions"])
     theirs = httpx.post(f"{server.base_url}/api/v1/retrieve_futures", json=body,
                         headers={"X-API-Key": "tml-test-someone-else"})

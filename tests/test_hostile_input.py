@@ -9,7 +9,7 @@ import openai
 import pytest
 import tinker
 
-from tests.helpers import BASE_MODEL, checkpoint_dir, make_datum, train, tree_digest
+from tests.helpers import BASE_MODEL, MAIN_KEY, checkpoint_dir, make_datum, train, tree_digest
 
 NAMES = ["../escape", "a/b", "..", ".", "bad\x00name", "x" * 300, "-leading-dash", "sp ace"]
 
@@ -43,8 +43,8 @@ def test_tinker_paths_that_leave_their_directory_are_refused_everywhere(saved, s
             f"tinker://{run}/sampler_weights/../weights/good"]
     before = checkpoint_dir(server.data_dir, good)
     digest = tree_digest(before)
-    headers = {"X-API-Key": "tml-test-main"}
-    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main", max_retries=0)
+    headers = {"X-API-Key": MAIN_KEY}
+    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=MAIN_KEY, max_retries=0)
     for path in evil:
         with pytest.raises(tinker.RequestFailedError) as failure:
             service_client.create_training_client_from_state(path).result()

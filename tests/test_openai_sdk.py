@@ -13,7 +13,7 @@ import pytest
 from tinker import types
 from transformers import AutoTokenizer
 
-from tests.helpers import BASE_MODEL, make_datum, on_both_sampler_backends, settled_decoded_tokens, train
+from tests.helpers import BASE_MODEL, MAIN_KEY, make_datum, on_both_sampler_backends, settled_decoded_tokens, train
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TARGET = "The capital of France is Paris."
@@ -28,7 +28,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=MAIN_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_a_stream_closed_by_its_client_stops_sampling(server, oai, long_request)
 def test_a_whole_request_whose_client_gives_up_stops_sampling(server, long_request):
     """A non-streamed request whose client times out (and closes its connection) is cancelled in the sampler too."""
     request, whole_seconds = long_request
-    impatient = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main",
+    impatient = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=MAIN_KEY,
                               timeout=max(whole_seconds / 5, 0.5), max_retries=0)
     before = settled_decoded_tokens(server)
     with pytest.raises(openai.APITimeoutError):
@@ -208,7 +208,7 @@ def test_text_completions(oai, tokenizer):
 
 def test_async_client(server, adapter_path):
     async def main():
-        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=MAIN_KEY, max_retries=0)
         whole, stream = await asyncio.gather(
             client.chat.completions.create(model=adapter_path, messages=MESSAGES, temperature=0, max_tokens=40),
             client.chat.completions.create(model=adapter_path, messages=MESSAGES, temperature=0, max_tokens=40,

@@ -13,7 +13,7 @@ import torch
 from tinker import types
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import BASE_MODEL, make_datum, on_both_sampler_backends, train
+from tests.helpers import BASE_MODEL, MAIN_KEY, make_datum, on_both_sampler_backends, train
 
 server, service_client = on_both_sampler_backends()
 
@@ -38,7 +38,7 @@ def reference(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=MAIN_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,16 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from tests.helpers import ADAM, BASE_MODEL, crash_the_trainer, forward_logprobs, make_datum, poll_future, train
+from tests.helpers import (
+    ADAM,
+    BASE_MODEL,
+    MAIN_KEY,
+    crash_the_trainer,
+    forward_logprobs,
+    make_datum,
+    poll_future,
+    train,
+)
 from tests.server import start_server
 
 KEY = "tml-test-crash"
@@ -307,7 +316,7 @@ def test_a_full_disk_while_saving_says_so_and_the_run_goes_on(server, service_cl
         assert f"no space left on device while saving tinker://{client.model_id}/weights/full" in message
         assert "ActorUnavailable" not in message and "enforce fail" not in message
         assert not [p for p in weights_dir.rglob("*") if p.is_file()]  # the half-written save is gone
-        rest = tinker.RestClient(base_url=server.base_url, api_key="tml-test-main")
+        rest = tinker.RestClient(base_url=server.base_url, api_key=MAIN_KEY)
         assert not rest.list_checkpoints(client.model_id).result().checkpoints
         train(client, datum, 1)  # the trainer is fine
     finally:

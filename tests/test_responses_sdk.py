@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import BASE_MODEL, on_both_sampler_backends
+from tests.helpers import BASE_MODEL, MAIN_KEY, on_both_sampler_backends
 
 server, service_client = on_both_sampler_backends()  # every test here runs once per sampler backend
 
@@ -40,7 +40,7 @@ whitespace for as long as the grammar allows it."""
 
 @pytest.fixture(scope="module")
 def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-test-main", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=MAIN_KEY, max_retries=0)
 
 
 def completed(oai, **kwargs):

@@ -11,6 +11,7 @@ from tinker import types
 
 from tests.helpers import (
     BASE_MODEL,
+    MAIN_KEY,
     expect_user_error,
     reference_gspo,
     reference_rl,
@@ -114,7 +115,7 @@ def test_stable_reinforce_refuses_sequences_it_cannot_vouch_for(service_client, 
     expect_user_error(client.forward_backward([sneaky], "stable_reinforce"), "filled in by the server")
 
     # Another session (another ServiceClient) may not train on this session's sequences.
-    other = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-main")
+    other = tinker.ServiceClient(base_url=server.base_url, api_key=MAIN_KEY)
     try:
         other_client = other.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
         expect_user_error(other_client.forward_backward([datum], "stable_reinforce"), "only within one session")

@@ -15,6 +15,7 @@ from tinker import types
 
 from tests.helpers import (
     BASE_MODEL,
+    MAIN_KEY,
     checkpoint_dir,
     forward_logprobs,
     make_datum,
@@ -95,7 +96,7 @@ def test_adapter_greedy_continuation_is_the_memorized_target(service_client, bas
     np.testing.assert_allclose(tuned.logprobs, [float(expected[len(PROMPT) - 1 + i, t]) for i, t in enumerate(TARGET)],
                                atol=1e-4)
     record = httpx.get(f"{server.base_url}/api/v1/samplers/{sampler._sampling_session_id}",
-                       headers={"X-API-Key": "tml-test-main"}).json()
+                       headers={"X-API-Key": MAIN_KEY}).json()
     assert record["model_path"] == path and record["base_model"] == BASE_MODEL
 
 

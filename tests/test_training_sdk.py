@@ -14,6 +14,7 @@ from tinker import types
 from tests.helpers import (
     ADAM,
     BASE_MODEL,
+    MAIN_KEY,
     checkpoint_dir,
     datum_arrays,
     expect_user_error,
@@ -33,7 +34,7 @@ def datum() -> types.Datum:
 
 
 def test_capabilities_info_tokenizer_and_loss_falls(service_client, server):
-    caps = tinker.RestClient(base_url=server.base_url, api_key="tml-test-main").get_server_capabilities().result()
+    caps = tinker.RestClient(base_url=server.base_url, api_key=MAIN_KEY).get_server_capabilities().result()
     model = next(m for m in caps.supported_models if m.model_name == BASE_MODEL)
     assert model.max_context_length == 2048 and model.trainable
 
@@ -139,7 +140,7 @@ def test_save_state_overwrite_replaces_the_checkpoint_of_that_name(service_clien
     train(run, datum, 2)
     newer = forward_logprobs(run, datum)
     assert run.save_state("latest", overwrite=True).result().path == first
-    listed = tinker.RestClient(base_url=server.base_url, api_key="tml-test-main").list_checkpoints(
+    listed = tinker.RestClient(base_url=server.base_url, api_key=MAIN_KEY).list_checkpoints(
         run.model_id).result().checkpoints
     assert [c.tinker_path for c in listed].count(first) == 1
     loaded = service_client.create_training_client_from_state(first).result()
