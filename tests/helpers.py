@@ -257,8 +257,8 @@ def settled_decoded_tokens(server) -> int:
 
 
 async def streamed_chat_chunks(vocab, tokens, tools, finish: str, stops=(), include_stop: bool = False):
-    """The chunks ``completion_stream`` sends for ``tokens`` arriving one at a time (for the Responses and Anthropic
-    stream translators' tests)."""
+    """The chunks ``compat_server.completions.stream`` sends for ``tokens`` arriving one at a time (for the Responses
+    and Anthropic stream translators' tests)."""
     from shims.openai.choice import ChoiceOutput
     from shims.openai.out import chat_chunk, usage
 

@@ -363,7 +363,7 @@ def test_unreadable_or_missing_sampler_weights_are_a_user_error(service_client, 
 def test_fields_the_backend_cannot_serve_are_user_errors(server, base_sampler, base_reference):
     """vLLM scores given prompt tokens only in its V2 model runner, which vLLM's CPU build lacks and whose prompt
     LoRA mapping is wrong in 0.32: the vLLM backend refuses ``target_prompt_logprobs`` and ``prompt_alt_tokens_k``
-    with a clear user error (the README's table says so); the transformers backend serves them."""
+    with a clear user error (the manual's table of sampler backends says so); the transformers backend serves them."""
     prompt = types.ModelInput.from_ints(PROMPT)
     ids = np.tile(np.array([[5, 9]], dtype=np.int64), (len(PROMPT) - 1, 1))
     target = types.TensorData(data=ids.flatten().tolist(), dtype="int64", shape=list(ids.shape))

@@ -1,5 +1,5 @@
-"""shims.custom_loss.graph / custom_loss_run: graphs the SDK traces run exactly as the SDK runs them client-side, and
-hostile graphs are user errors, never code execution, attribute access or unbounded memory."""
+"""shims.custom_loss.graph / shims.custom_loss.run: graphs the SDK traces run exactly as the SDK runs them
+client-side, and hostile graphs are user errors, never code execution, attribute access or unbounded memory."""
 
 from __future__ import annotations
 

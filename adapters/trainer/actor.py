@@ -2,10 +2,10 @@
 
 Each adapter (one per Tinker training client, keyed by ``model_id``) has its own LoRA weights, its own optimizer state
 and its own step count. Gradients accumulate across ``forward_backward`` calls until ``optim_step`` applies them.
-LoRA runs through ``adapters.lora.layers`` (rows grouped by adapter); checkpoints are standard PEFT directories
-(``adapters.trainer.files``). This class is plain Python so it can be tested in-process; ``adapters.trainer.group``
-runs it as a Ray actor, or as N of them, each one shard of a trainer whose base model is split over N devices
-(``adapters.trainer.shards``): the same methods, called on every shard, rank 0 answering.
+LoRA runs through ``adapters.lora`` (rows grouped by adapter: ``adapters.lora.routing``); checkpoints are standard
+PEFT directories (``adapters.trainer.files``). This class is plain Python so it can be tested in-process;
+``adapters.trainer.group`` runs it as a Ray actor, or as N of them, each one shard of a trainer whose base model is
+split over N devices (``adapters.trainer.shards``): the same methods, called on every shard, rank 0 answering.
 
 Its public methods are the actor's interface (``compat_server.jobs.trainer_client`` calls them, one typed method
 each). The work is done by parts it holds: the model's passes (``.passes``), and, each knowing only those and the

@@ -78,7 +78,7 @@ class AdamHyper:
 
 @dataclass(frozen=True)
 class DimuonHyper:
-    """Tinker's ``DimuonParams`` (``adapters/dimuon.py``); they may change on every optim_step."""
+    """Tinker's ``DimuonParams`` (``adapters/trainer/dimuon.py``); they may change on every optim_step."""
 
     learning_rate: float
     beta1: float = 0.9

@@ -61,6 +61,12 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 ENV_PREFIX = "COMPAT_SERVER_"
 
 
+def environment_variable(flag: str) -> str:
+    """The environment variable that sets an option: ``COMPAT_SERVER_MAX_BODY_MB`` for ``--max-body-mb``. One
+    function, so that the manual's options page (``docs/hooks/options.py``) names the variable the server reads."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
 class _AppendReplacingDefault(argparse._AppendAction):
     """A repeatable option whose default came from the environment: given on the command line, it replaces that
     default instead of adding to it."""
@@ -78,7 +84,7 @@ def defaults_from_environment(parser: argparse.ArgumentParser) -> argparse.Argum
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        name = ENV_PREFIX + action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+        name = environment_variable(action.option_strings[-1])
         action.help = f"{action.help} [env {name}]"
         value = os.environ.get(name)
         if value is None:

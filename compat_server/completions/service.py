@@ -1,8 +1,8 @@
 """The OpenAI-compatible operations: chat completions and text completions (whole here, streamed in
-``completion_stream``), and the tokenizer routes.
+``compat_server.completions.stream``), and the tokenizer routes.
 
 They sample through ``SamplingService`` exactly as the Tinker ``asample`` route does (same checks, same pool, same
-metrics); this module adds tokenizers, OpenAI's and vLLM's parameter rules and response objects (``shims.openai_*``).
+metrics); this module adds tokenizers, OpenAI's and vLLM's parameter rules and response objects (``shims.openai``).
 Tokenizing, chat templates and decoding run in ``workers`` (threads), never on the event loop.
 """
 

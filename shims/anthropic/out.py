@@ -2,7 +2,7 @@
 
 The sampler path answers in OpenAI's shapes; this re-shapes them. Anthropic says which stop sequence ended the text,
 which OpenAI's ``finish_reason: stop`` does not: the chat request asks for the stop string to be kept in the text
-(``anthropic_wire.chat_body``), and :func:`split_stop` takes it off and names it. Pure: nothing here does I/O.
+(``shims.anthropic.wire.chat_body``), and :func:`split_stop` takes it off and names it. Pure: nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ class MessageStream:
         self.output_tokens = 0
 
     async def translate(self, chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-        """``completion_stream.stream``'s ``translate``: the events of each chunk, then the end of the message; an
-        ``{"error": …}`` chunk becomes an ``error`` event, which ends the stream (the SDK raises it)."""
+        """``compat_server.completions.stream.stream``'s ``translate``: the events of each chunk, then the end of the
+        message; an ``{"error": …}`` chunk becomes an ``error`` event, which ends the stream (the SDK raises it)."""
         async for chunk in chunks:
             if "error" in chunk:
                 kind = "invalid_request_error" if chunk["error"]["type"] == "invalid_request_error" else "api_error"

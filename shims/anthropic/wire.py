@@ -255,7 +255,8 @@ def prompt_body(req: CountTokensRequest) -> dict:
 def chat_body(req: MessagesRequest) -> dict:
     """The OpenAI chat-completions body that samples what ``req`` asks for. The stop string that ended the text is
     kept in it (``include_stop_str_in_output``): that is how the answer tells which of ``stop_sequences`` fired
-    (``anthropic_out`` takes it off again); a stream asks for the usage chunk, whose count ``message_delta`` gives."""
+    (``shims.anthropic.out`` takes it off again); a stream asks for the usage chunk, whose count ``message_delta``
+    gives."""
     body = prompt_body(req)
     body.update(max_tokens=req.max_tokens, include_stop_str_in_output=True)
     sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences}

@@ -205,7 +205,7 @@ def _step(decoder: _Decoder, where: str, node: Any) -> Step:
         if node.target not in ops.FUNCTIONS:
             raise _fail(decoder.loss, where, f"{str(node.target)[:64]!r} is not a function this server runs; see "
                                              "the allowed torch, torch.nn.functional, math and operator functions "
-                                             "in shims/custom_loss_ops.py")
+                                             "in shims/custom_loss/ops.py")
     else:
         kind = "method"
         if node.target not in ops.METHODS:

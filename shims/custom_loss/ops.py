@@ -8,8 +8,8 @@ in-place operation, tensor factory that takes a size, or way out of torch (``ite
 
 Every listed operation makes outputs no larger than its tensor arguments broadcast together or taken together
 (elementwise maths, reductions, shape views, ``cat`` / ``stack``, ``gather``, ``*_like``); the one exception, indexing
-with an integer tensor, is sized before it runs (see ``custom_loss_run``). That is what lets the interpreter bound the
-memory a loss may take before each step runs, not after.
+with an integer tensor, is sized before it runs (see ``shims.custom_loss.run``). That is what lets the interpreter
+bound the memory a loss may take before each step runs, not after.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def _table() -> dict[str, object]:
         add(torch.special.__dict__[name], f"torch.special.{name}")
     for name in _MATH:
         add(math.__dict__[name], f"math.{name}")
-    table["getattr"] = table["builtins.getattr"] = getattr  # only ever called on ATTRIBUTES (see custom_loss_run)
+    # getattr is only ever called on ATTRIBUTES (see shims.custom_loss.run)
+    table["getattr"] = table["builtins.getattr"] = getattr
     return table
 
 

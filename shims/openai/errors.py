@@ -1,5 +1,5 @@
 """The error every OpenAI-style route answers with: OpenAI's shape, which the ``openai`` SDK turns into its own typed
-exceptions (and ``anthropic_wire`` re-shapes for the Anthropic routes)."""
+exceptions (and ``shims.anthropic.wire`` re-shapes for the Anthropic routes)."""
 
 from __future__ import annotations
 

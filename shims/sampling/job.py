@@ -1,7 +1,7 @@
 """A sampling request as every sampler backend receives it (:class:`SampleJob`), and what a backend gives back.
 
-Plain values only: the Tinker route (``sampling_wire``) and the OpenAI routes (``openai_params``) build jobs, and the
-backends (``adapters``) run them.
+Plain values only: the Tinker route (``shims.tinker.sampling_wire``) and the OpenAI routes (``shims.openai.params``)
+build jobs, and the backends (``adapters``) run them.
 """
 
 from __future__ import annotations
