@@ -32,7 +32,7 @@ from compat_server.runs.checkpoint_store import CheckpointStore
 from compat_server.runs.downloads import UrlSigner
 from compat_server.runs.service import RunsService
 from compat_server.sampling.service import SamplingOptions, SamplingService
-from compat_server.telemetry import observe
+from compat_server.telemetry import observe, trainer_span
 from compat_server.training.service import TrainingService
 from shims.errors import ConfigurationRefused
 from shims.openai.params import OpenAILimits
@@ -137,7 +137,7 @@ async def start_services(config: ServerConfig) -> Services:
         resources=config.trainer_resources or None,
         max_batch_tokens=config.max_batch_tokens, max_adapters=config.max_adapters,
         recompute_tokens=config.activation_checkpointing_tokens, shards=config.trainer_shards,
-        placement_timeout=config.placement_timeout))
+        placement_timeout=config.placement_timeout), traced=trainer_span)
     backend = choose_backend(config.sampler_backend, sampler_gpus > 0)
     samplers = SamplerPool(list(base_models.values()), SamplerPlacement(
         count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,

@@ -257,7 +257,7 @@ def test_pool_routes_an_adapter_to_the_replica_that_holds_it():
     from adapters.samplers.pool import SamplerPlacement, SamplerPool, _BaseReplicas, _Replica
 
     pool = SamplerPool([], SamplerPlacement(count=2, max_batch_sequences=4))
-    base = _BaseReplicas([_Replica(actor=None), _Replica(actor=None)])
+    base = _BaseReplicas([_Replica(actor=None, calls=None, what="0"), _Replica(actor=None, calls=None, what="1")])
     a, b = AdapterRef("a", "/a"), AdapterRef("b", "/b")
     assert pool._route(base, a) == 0
     base.replicas[0].in_flight = 1

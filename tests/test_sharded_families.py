@@ -127,7 +127,7 @@ def _shard(rank: int, world: int, address: str, directories: list[str], checkpoi
     import torch
 
     from adapters.trainer.actor import MultiLoRATrainer
-    from adapters.trainer.shards import ShardSpec
+    from adapters.trainer.interface import ShardSpec
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,10 +7,11 @@ LoRA runs through ``adapters.lora.layers`` (rows grouped by adapter); checkpoint
 runs it as a Ray actor, or as N of them, each one shard of a trainer whose base model is split over N devices
 (``adapters.trainer.shards``): the same methods, called on every shard, rank 0 answering.
 
-Its public methods are the actor's interface (``compat_server.jobs.trainer_client`` calls them, one typed method
-each). The work is done by parts it holds: the model's passes (``.passes``), and, each knowing only those and the
-adapter table (``adapters.trainer.table``), the mixed-adapter forward pass (``.forward``), the checkpoint files
-(``.files``) and the optimizer steps (``.optim``).
+It implements ``adapters.trainer.interface.Trainer``, the Protocol the server calls it by (checked when its actor
+starts: ``adapters.boundary``); its other public methods are for in-process callers (tests, benchmarks). The work is
+done by parts it holds: the model's passes (``.passes``), and, each knowing only those and the adapter table
+(``adapters.trainer.table``), the mixed-adapter forward pass (``.forward``), the checkpoint files (``.files``) and the
+optimizer steps (``.optim``).
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ from adapters.trainer.interface import (
     LoraSpec,
     ModelFacts,
     OptimRequest,
+    ShardSpec,
+    StepOutcome,
     StepRequest,
     StepResult,
     read_lora_spec,
 )
 from adapters.trainer.optim import Optimizers
 from adapters.trainer.passes import ModelPasses
-from adapters.trainer.shards import Shards, ShardSpec, load_base, local_device, on_rank_zero, resident_bytes
+from adapters.trainer.shards import Shards, load_base, local_device, resident_bytes
 from adapters.trainer.table import AdapterTable
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -114,7 +117,7 @@ class MultiLoRATrainer:
             raise outcome
         return outcome
 
-    def run_batch(self, requests: list[StepRequest | OptimRequest]) -> list[StepResult | dict[str, float] | UserError]:
+    def run_batch(self, requests: list[StepRequest | OptimRequest]) -> list[StepOutcome]:
         """What the trainer pool sends: any runs' optim steps and forward / forward_backward requests, each run at
         most once, in one call (one Ray round trip). The optim steps go first: a run's next forward_backward cannot
         be in the same call as its optim step, so the order between runs changes nothing. Each request gets its own
@@ -164,18 +167,16 @@ class MultiLoRATrainer:
                 self.adapters.discard(probe)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
-    # Every shard holds the same adapters and optimizer state: rank 0 alone writes them (``on_rank_zero``).
-    @on_rank_zero
+    # Every shard holds the same adapters and optimizer state: rank 0 alone writes them (``on_rank_zero`` in
+    # ``Trainer``).
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
         self.files.save_for_sampler(model_id, directory)
 
-    @on_rank_zero
     def save_for_export(self, model_id: str, directory: str) -> None:
         """Write the adapter for download, named as hosted Tinker names it."""
         self.files.save_for_export(model_id, directory)
 
-    @on_rank_zero
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
         self.files.save_state(model_id, directory)

@@ -182,7 +182,7 @@ class TrainingService:
                 if batch.loss_fn == "custom" else None
             data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
             config = batch.loss_fn_config if custom is None else {}
-            result = await self.scheduler.trainer_for(row["base_model"]).forward_backward(StepRequest(
+            result = await self.scheduler.trainers.forward_backward(row["base_model"], StepRequest(
                 batch.model_id, data, batch.loss_fn, config, batch.forward_only, custom_loss=custom))
             speed = result.num_tokens / max(result.seconds, 1e-9)
             TOKENS_TRAINED.add(result.num_tokens, {"base_model": row["base_model"], "kind": kind})
@@ -222,7 +222,7 @@ class TrainingService:
     def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
             hyper = optimizer_hyper(req.optim_params)
-            metrics = await self.scheduler.trainer_for(row["base_model"]).optim_step(req.model_id, hyper)
+            metrics = await self.scheduler.trainers.optim_step(row["base_model"], req.model_id, hyper)
             self.core.last_step[req.model_id] = int(metrics["step"])
             log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
                      hyper.learning_rate, metrics["grad_norm"],
