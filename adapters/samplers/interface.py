@@ -11,6 +11,7 @@ through ``SamplerReplica`` alone: no backend is imported in the server process.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -119,12 +120,8 @@ def choose_backend(requested: str, has_gpu: bool) -> str:
     """``auto`` picks vLLM where a GPU and the ``[gpu]`` extra are present, and transformers everywhere else."""
     if requested != "auto":
         return requested
-    if has_gpu:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            return "transformers"
-        return "vllm"
+    if has_gpu:  # looked up, not imported: only the replicas' processes load vLLM
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
     return "transformers"
 
 

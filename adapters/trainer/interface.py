@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from adapters.boundary import on_rank_zero
-from adapters.lora.files import ADAPTER_CONFIG, TRAINER_STATE
+from adapters.lora.layout import ADAPTER_CONFIG, TRAINER_STATE
 from shims.custom_loss.graph import CustomLoss
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays

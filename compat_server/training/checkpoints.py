@@ -13,7 +13,7 @@ from pathlib import Path
 from tinker import types
 
 from adapters.disk import DiskFull
-from adapters.lora.files import read_saved_step
+from adapters.lora.layout import read_saved_step
 from adapters.trainer.interface import LoraSpec, Trainer, read_lora_spec
 from compat_server.jobs.futures import Payload
 from compat_server.runs.checkpoint_store import CheckpointStore, parse_path, tinker_path
