@@ -17,7 +17,7 @@ from adapters.boundary import actor_class, methods, mismatches
 from adapters.samplers.interface import SAMPLER_REPLICA_CLASS, AdapterRef, SamplerFacts, SamplerReplica
 from adapters.trainer.group import TrainerGroup
 from adapters.trainer.interface import TRAINER_CLASS, LoraSpec, ModelFacts, Trainer
-from adapters.trainer.pool import TrainerPlacement, TrainerPool
+from adapters.trainer.pool import TrainerOptions, TrainerPool
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
 
 
@@ -133,8 +133,8 @@ def _pool(shards: int, spans: list | None = None) -> tuple[TrainerPool, TrainerG
             spans.append((f"trainer.{operation}", model_id))
             return nullcontext()
 
-    pool = TrainerPool([], TrainerPlacement(shards=shards), traced)
-    group = pool.groups["base"] = TrainerGroup("base", "/model", pool.placement)
+    pool = TrainerPool([], TrainerOptions(shards=shards), traced)
+    group = pool.groups["base"] = TrainerGroup("base", "/model", pool.options)
     pool.trainers["base"] = group.calls(pool._around)
     group.actors = [_FakeActor() for _ in range(shards)]
     group.open()
@@ -193,7 +193,7 @@ def test_a_call_in_flight_when_the_trainer_dies_says_which_process_died_whoever_
             return Remote
 
     async def scenario() -> list[str]:
-        group = TrainerGroup("base", "/model", TrainerPlacement())
+        group = TrainerGroup("base", "/model", TrainerOptions())
         group.actors = [Dying()]
         group.shards = [actor_proxy(group.actors[0], Trainer, group.what, cancel=False)]
         group.facts = [ModelFacts(vocab_size=8, max_context=8, arch="x", device="cpu", pid=7)]

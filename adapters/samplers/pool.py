@@ -1,5 +1,5 @@
 """Ray placement of the samplers: ``count`` replicas per base model, each an actor holding the model once (a vLLM
-replica over ``vllm.tensor_parallel_size`` workers, its child processes, on the GPUs its actor reserves).
+replica over ``tensor_parallel_size`` workers, its child processes, on the GPUs its actor reserves).
 
 Routing prefers the replica that last served an adapter (it most likely still holds it, so nothing reloads), unless
 that replica is much busier than the least busy one; otherwise the least busy replica takes the request.
@@ -19,13 +19,13 @@ from adapters.boundary import actor_class, method_of
 from adapters.cpu_threads import sampler_environment
 from adapters.models.resolve import BaseModelSpec
 from adapters.samplers.interface import SAMPLER_REPLICA_CLASS, AdapterRef, SamplerFacts, SamplerReplica
-from adapters.samplers.options import SamplerPlacement
+from adapters.samplers.options import SamplerOptions
 from adapters.samplers.vllm.parallel import backend_refusal
 from adapters.samplers.vllm.support import has_routed_experts, vllm_lora_refusal
 from shims.errors import ConfigurationRefused
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
 
-__all__ = ["SamplerPlacement", "SamplerPool"]
+__all__ = ["SamplerOptions", "SamplerPool"]
 
 log = logging.getLogger("compat_server.sampler")
 
@@ -53,28 +53,29 @@ class _BaseReplicas:
 class SamplerPool:
     """Starts and addresses the sampler replicas; the sampling service is its only caller."""
 
-    def __init__(self, models: list[BaseModelSpec], placement: SamplerPlacement) -> None:
+    def __init__(self, models: list[BaseModelSpec], options: SamplerOptions) -> None:
+        """``options``: its ``backend`` and ``gpus`` decided (``compat_server.services``)."""
         self.models = {m.name: m for m in models}
-        self.placement = placement
+        self.options = options
         self.bases: dict[str, _BaseReplicas] = {}
         self.facts: dict[str, SamplerFacts] = {}
         self.torch_threads: dict[str, list[int]] = {}
         """Per base model, the torch threads of every replica's workers as they started (the ready line)."""
         self._configs: dict[str, dict] = {}
         """``config.json`` of each base model, where its samplers are vLLM (``adapter_refusal``)."""
-        if refusal := backend_refusal(placement.backend, placement.vllm.tensor_parallel_size):
+        if refusal := backend_refusal(options.backend, options.tensor_parallel_size):
             raise ConfigurationRefused(refusal)  # before any actor (or trainer) is started
 
     async def start(self) -> None:
         """Create every replica and wait until each has loaded its base model."""
         remote_cls = ray.remote(actor_class(SamplerReplica, SAMPLER_REPLICA_CLASS, concurrent=True))
-        p = self.placement
+        p = self.options
         for name, spec in self.models.items():
             replicas = []
             for index in range(p.count):
                 # A crashed replica is restarted by Ray (calls in flight fail, never re-run); it reloads adapters on
                 # demand, as after any eviction.
-                actor = remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
+                actor = remote_cls.options(num_cpus=p.cpus, num_gpus=p.gpus or 0.0, resources=p.resources or None,
                                            max_restarts=-1, max_task_retries=0,
                                            runtime_env={"env_vars": sampler_environment(p.backend)}
                                            ).remote(spec.location, p)
@@ -114,7 +115,7 @@ class SamplerPool:
         if adapter is None:
             return least
         holder = base.affinity.get(adapter.key)
-        slack = self.placement.max_batch_sequences
+        slack = self.options.max_batch_sequences
         if holder is not None and base.replicas[holder].in_flight <= base.replicas[least].in_flight + slack:
             return holder
         base.affinity[adapter.key] = least

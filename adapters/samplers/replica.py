@@ -12,7 +12,7 @@ from dataclasses import replace
 from adapters.actors import ray_node
 from adapters.logs import configure_logging
 from adapters.samplers.interface import AdapterRef, Restarting, SamplerBackend, SamplerFacts
-from adapters.samplers.options import SamplerPlacement
+from adapters.samplers.options import SamplerOptions
 from shims.errors import ConfigurationRefused
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
 
@@ -21,12 +21,12 @@ class SamplerActor:
     """The Ray actor around one backend; it implements ``SamplerReplica``. Its methods are coroutines, so Ray runs the
     actor asynchronously and concurrent requests reach the backend together (which is what lets it batch them)."""
 
-    def __init__(self, location: str, placement: SamplerPlacement) -> None:
+    def __init__(self, location: str, options: SamplerOptions) -> None:
         configure_logging()
         self.refused: ConfigurationRefused | None = None
         self.threads: tuple[int, ...] = ()
         try:
-            self.impl: SamplerBackend = make_backend(location, placement)
+            self.impl: SamplerBackend = make_backend(location, options)
         except ConfigurationRefused as exc:  # raised by ``facts``, the pool's first call, to reach it as itself
             self.refused = exc
 
@@ -82,20 +82,16 @@ class SamplerActor:
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody waits for
 
 
-def make_backend(location: str, placement: SamplerPlacement) -> SamplerBackend:
-    """The backend ``placement`` names, holding the model at ``location`` (imported only when chosen: vLLM's
-    package is optional)."""
-    p = placement
-    if p.backend == "vllm":
+def make_backend(location: str, options: SamplerOptions) -> SamplerBackend:
+    """The backend ``options`` names (decided: not ``auto``), holding the model at ``location`` (imported only when
+    chosen: vLLM's package is optional)."""
+    if options.backend == "vllm":
         from adapters.samplers.vllm.sampler import VLLMSampler
 
-        return VLLMSampler(location, max_resident=p.max_resident, dtype=p.dtype, max_model_len=p.max_model_len,
-                           options=p.vllm, on_engine_dead=_exit_soon, disable_any_whitespace=p.disable_any_whitespace)
+        return VLLMSampler(location, options, on_engine_dead=_exit_soon)
     from adapters.samplers.hf.sampler import TransformersSampler
 
-    return TransformersSampler(location, max_batch_sequences=p.max_batch_sequences, max_resident=p.max_resident,
-                               threads=p.threads, dtype=p.dtype, max_model_len=p.max_model_len,
-                               disable_any_whitespace=p.disable_any_whitespace)
+    return TransformersSampler(location, options)
 
 
 def _exit_soon(delay: float = 1.0) -> None:

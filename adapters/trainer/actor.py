@@ -47,6 +47,7 @@ from adapters.trainer.interface import (
     read_lora_spec,
 )
 from adapters.trainer.optim import Optimizers
+from adapters.trainer.options import TrainerOptions
 from adapters.trainer.passes import ModelPasses
 from adapters.trainer.shards import Shards, load_base, local_device, resident_bytes
 from adapters.trainer.table import AdapterTable
@@ -62,10 +63,11 @@ __all__ = ["LORA_ALPHA", "MAX_LORA_RANK", "AdamHyper", "DimuonHyper", "LoraSpec"
 class MultiLoRATrainer:
     """Holds one base model and the LoRA adapters of every training run on it."""
 
-    def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64,
-                 recompute_tokens: int = 4096, shard: ShardSpec | None = None) -> None:
-        """``threads``: torch threads (None: this machine's usable CPUs, shared with this trainer's other shards
-        here; ``adapters.cpu_threads``). ``recompute_tokens``: training batches of at least this many tokens
+    def __init__(self, location: str, options: TrainerOptions = TrainerOptions(),  # noqa: B008 - frozen
+                 shard: ShardSpec | None = None) -> None:
+        """``options``: what this trainer computes with and holds: ``threads``, torch threads (None: this machine's
+        usable CPUs, shared with this trainer's other shards here; ``adapters.cpu_threads``); ``max_adapters``, the
+        runs it holds at once; ``activation_checkpointing_tokens``, training batches of at least this many tokens
         checkpoint each decoder layer (``adapters.trainer.recompute``; 0: never). ``shard``: this process's place in
         a sharded trainer (``adapters.trainer.shards``; None: the whole model here)."""
         from transformers import AutoConfig
@@ -75,7 +77,7 @@ class MultiLoRATrainer:
         config = AutoConfig.from_pretrained(location)
         text = text_settings(config)  # a vision-language checkpoint trains and serves as its text model
         self.shards = Shards(shard, self.device)
-        set_torch_threads(threads, self.shards.peers_here())
+        set_torch_threads(options.threads, self.shards.peers_here())
         base = load_base(location, dtype, self.shards)
         base.requires_grad_(False)
         self.model = LoRAModel(base)
@@ -87,9 +89,9 @@ class MultiLoRATrainer:
             shard=self.shards.rank, shards=self.shards.world, backend=self.shards.backend,
             base_bytes=resident_bytes(base), threads=torch.get_num_threads(),
         )
-        self.adapters = AdapterTable(self.model, self.device, max_adapters)
+        self.adapters = AdapterTable(self.model, self.device, options.max_adapters)
         """The training runs, by ``model_id``."""
-        self.passes = ModelPasses(self.model, text.vocab_size, self.shards, recompute_tokens)
+        self.passes = ModelPasses(self.model, text.vocab_size, self.shards, options.activation_checkpointing_tokens)
         self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)

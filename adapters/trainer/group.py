@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from adapters.actors import ActorRestarting, ActorUnavailable, Around, actor_proxy, await_call, proxy
 from adapters.boundary import Method, actor_class, method_of
 from adapters.trainer.interface import SEE_ALL_GPUS, TRAINER_CLASS, ModelFacts, ShardSpec, Trainer
-from adapters.trainer.placement import TrainerPlacement
+from adapters.trainer.options import TrainerOptions
 from shims.errors import ConfigurationRefused
 
 log = logging.getLogger("compat_server.trainer")
@@ -57,11 +57,11 @@ def _rendezvous_address() -> str:
 class TrainerGroup:
     """The actors of one base model's trainer; ``TrainerPool`` holds one per base model."""
 
-    def __init__(self, name: str, location: str, placement: TrainerPlacement,
+    def __init__(self, name: str, location: str, options: TrainerOptions,
                  on_restart: Callable[[], Awaitable[None]] | None = None) -> None:
         self.name = name
         self.location = location
-        self.placement = placement
+        self.options = options
         self.on_restart = on_restart
         """Called once the group is back after a restart, empty (the pool reloads its runs)."""
         self.actors: list[ray.actor.ActorHandle] = []
@@ -81,7 +81,7 @@ class TrainerGroup:
 
     @property
     def size(self) -> int:
-        return self.placement.shards
+        return self.options.shards
 
     @property
     def what(self) -> str:
@@ -97,8 +97,8 @@ class TrainerGroup:
             address = await _rendezvous_address.options(scheduling_strategy=self._bundle(0)).remote()
         remote_cls = ray.remote(actor_class(Trainer, TRAINER_CLASS, concurrent=False))
         self.actors = [remote_cls.options(**self._actor_options(rank)).remote(
-            self.location, self.placement.threads, self.placement.max_adapters, self.placement.recompute_tokens,
-            ShardSpec(rank, self.size, address) if address else None) for rank in range(self.size)]
+            self.location, self.options, ShardSpec(rank, self.size, address) if address else None)
+            for rank in range(self.size)]
         self.shards = [actor_proxy(actor, Trainer, self.what, cancel=False) for actor in self.actors]
         self._pings = [None] * self.size
         self.facts = await self._all(method_of(Trainer, Trainer.model_facts), (), {}, starting=True)
@@ -112,14 +112,14 @@ class TrainerGroup:
         self._open = True
 
     def _actor_options(self, rank: int) -> dict[str, Any]:
-        p = self.placement
+        p = self.options
         # Ray restarts nothing itself: a shard cannot rejoin its group alone (``_restart``).
         options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+        options |= {"num_cpus": p.cpus, "num_gpus": p.gpus or 0.0, "resources": p.resources or None}
         if self.size == 1:
-            return options | {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None}
-        options |= {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None,
-                    "scheduling_strategy": self._bundle(rank)}
-        if p.num_gpus:  # each shard sees its node's GPUs, so that NCCL reaches its peers directly
+            return options
+        options["scheduling_strategy"] = self._bundle(rank)
+        if p.gpus:  # each shard sees its node's GPUs, so that NCCL reaches its peers directly
             options["runtime_env"] = {"env_vars": {SEE_ALL_GPUS: "1"}}
         return options
 
@@ -129,16 +129,16 @@ class TrainerGroup:
     async def _place(self):
         """One bundle per shard, packed on as few nodes as hold them; refused, naming what is missing, if the
         cluster cannot hold them within ``--placement-timeout`` seconds."""
-        bundle = self.placement.bundle()
+        bundle = self.options.bundle()
         group = placement_group([bundle] * self.size, strategy="PACK")
         try:
-            await asyncio.wait_for(group.ready(), self.placement.placement_timeout)
+            await asyncio.wait_for(group.ready(), self.options.placement_timeout)
         except TimeoutError:
             remove_placement_group(group)
             free = {name: ray.available_resources().get(name, 0.0) for name in bundle}
             raise ConfigurationRefused(
                 f"the Ray cluster cannot place the {self.size} trainer shards of {self.name} (--trainer-shards "
-                f"{self.size}), each needing {bundle}: it has {free} free after {self.placement.placement_timeout:g} s "
+                f"{self.size}), each needing {bundle}: it has {free} free after {self.options.placement_timeout:g} s "
                 "(--placement-timeout); add nodes or devices, or lower --trainer-shards, --trainer-cpus or "
                 "--trainer-gpus") from None
         return group

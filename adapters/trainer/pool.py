@@ -23,10 +23,10 @@ from adapters.trainer.interface import (
     StepResult,
     Trainer,
 )
-from adapters.trainer.placement import TrainerPlacement
+from adapters.trainer.options import TrainerOptions
 from shims.errors import UserError
 
-__all__ = ["TrainerPlacement", "TrainerPool"]
+__all__ = ["TrainerOptions", "TrainerPool"]
 
 log = logging.getLogger("compat_server.trainer")
 
@@ -49,9 +49,10 @@ class TrainerPool:
     load/save stay barriers for that run alone.
     """
 
-    def __init__(self, models: list[BaseModelSpec], placement: TrainerPlacement, traced: Traced | None = None) -> None:
+    def __init__(self, models: list[BaseModelSpec], options: TrainerOptions, traced: Traced | None = None) -> None:
+        """``options``: its ``gpus`` decided (``compat_server.devices``)."""
         self.models = {m.name: m for m in models}
-        self.placement = placement
+        self.options = options
         self.traced = traced or (lambda operation, model_id: nullcontext())
         self.groups: dict[str, TrainerGroup] = {}
         self.trainers: dict[str, Trainer] = {}
@@ -71,7 +72,7 @@ class TrainerPool:
     async def start(self) -> None:
         """Create every trainer and wait until each has loaded its base model."""
         for name, spec in self.models.items():
-            self.groups[name] = TrainerGroup(name, spec.location, self.placement, self._restarted(name))
+            self.groups[name] = TrainerGroup(name, spec.location, self.options, self._restarted(name))
             self.trainers[name] = self.groups[name].calls(self._around)
             self.batches[name] = Coalescer(self._runner(name), self._admit)
             self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0, "optim_steps": 0,
@@ -117,7 +118,7 @@ class TrainerPool:
         count, tokens = 0, 0
         for request in pending:
             tokens += _tokens(request)
-            if count and tokens > self.placement.max_batch_tokens:
+            if count and tokens > self.options.max_batch_tokens:
                 break
             count += 1
         return count
@@ -133,9 +134,9 @@ class TrainerPool:
         """Run one forward / forward_backward, batched with whatever other runs' requests are waiting."""
         with self.traced("forward_backward", request.model_id):
             tokens = _tokens(request)
-            if tokens > self.placement.max_batch_tokens:
+            if tokens > self.options.max_batch_tokens:
                 raise UserError(f"this request holds {tokens} input tokens, more than one batch may "
-                                f"(--max-batch-tokens {self.placement.max_batch_tokens}); send fewer or shorter datums "
+                                f"(--max-batch-tokens {self.options.max_batch_tokens}); send fewer or shorter datums "
                                 "per call")
             return await self.batches[base_model].submit(request)  # type: ignore[return-value]
 

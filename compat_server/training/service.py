@@ -17,7 +17,7 @@ from tinker import types
 from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 
 from adapters.models.resolve import BaseModelSpec
-from adapters.trainer.interface import MAX_LORA_RANK, AdamHyper, DimuonHyper, LoraSpec, StepRequest
+from adapters.trainer.interface import AdamHyper, DimuonHyper, LoraSpec, StepRequest
 from compat_server.jobs.futures import PROTOBUF, Payload
 from compat_server.jobs.scheduler import Scheduler
 from compat_server.records import Records
@@ -64,7 +64,8 @@ class TrainingService:
 
     def __init__(self, records: Records, scheduler: Scheduler, checkpoints: CheckpointStore,
                  base_models: dict[str, BaseModelSpec], sampling: SamplingService,
-                 max_adapters_per_key: int | None = None, max_lora_rank: int = MAX_LORA_RANK) -> None:
+                 max_adapters_per_key: int | None, max_lora_rank: int) -> None:
+        """``max_lora_rank``: the vLLM samplers' (``--max-lora-rank``), at most the trainer's own ``MAX_LORA_RANK``."""
         self.core = TrainingCore(records, scheduler, base_models, max_adapters_per_key)
         self.checkpoint_calls = CheckpointCalls(self.core, checkpoints, sampling)
         self.records = records
