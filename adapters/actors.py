@@ -106,7 +106,7 @@ class _Proxy:
     """Calls to a component through its Protocol (``adapters.boundary``): an attribute for each Protocol method,
     made once, each sending its calls the one way the proxy was made with."""
 
-    def __init__(self, protocol: type, bind: Callable[[Method], Callable[..., Any]], what: str) -> None:
+    def __init__(self, protocol: Any, bind: Callable[[Method], Callable[..., Any]], what: str) -> None:
         self._what = what
         for method in methods(protocol).values():
             self.__dict__[method.name] = bind(method)
@@ -115,12 +115,13 @@ class _Proxy:
         return f"<{self._what}>"
 
 
-def actor_proxy(handle: Any, protocol: type[T], what: str, cancel: bool = True) -> T:
+def actor_proxy(handle: Any, protocol: Callable[..., T], what: str, cancel: bool = True) -> T:
     """The actor behind the Ray ``handle``, called as ``protocol`` says: ``await proxy.sample(adapter, job)``, ``async
     for item in proxy.stream(adapter, job)``, each call's errors translated (``_translated``; ``what`` names the actor
     in them). A caller that stops waiting cancels the actor task too (``cancel``, not for an actor that must run every
     call it was sent: a trainer shard): queued, it never runs; running in an async actor, it is cancelled there (a
-    sampler drops the request)."""
+    sampler drops the request). (``protocol`` is the Protocol class, typed as a callable making a ``T`` because mypy
+    refuses a Protocol where a ``type[T]`` is expected; the type checker then sees ``T``'s methods on the proxy.)"""
 
     def bind(method: Method) -> Callable[..., Any]:
         if method.streams:
@@ -137,7 +138,7 @@ Around = Callable[[Method, tuple, dict], AbstractContextManager[Any]]
 """What wraps each call a proxy sends (``Method``, its arguments): the server's tracing span."""
 
 
-def proxy(protocol: type[T], send: Callable[[Method, tuple, dict], Awaitable[Any]], what: str,
+def proxy(protocol: Callable[..., T], send: Callable[[Method, tuple, dict], Awaitable[Any]], what: str,
           around: Around | None = None) -> T:
     """A component made of several actors (the shards of one trainer), called as ``protocol`` says: each call goes to
     ``send`` with its method and arguments, inside ``around`` if given."""

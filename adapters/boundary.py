@@ -22,13 +22,15 @@ import importlib
 import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, get_origin
+from typing import Any, TypeVar, get_origin
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 RANK_ZERO = "on_rank_zero"
 """The attribute ``on_rank_zero`` sets on a Protocol method."""
 
 
-def on_rank_zero(method: Callable) -> Callable:
+def on_rank_zero(method: F) -> F:
     """Marks a Protocol method that one process of a group runs alone (rank 0 of a sharded trainer:
     ``adapters.trainer.group``): one that reads what every process holds alike and changes nothing, with no
     collective (writing a checkpoint). The others need not wait for it, and its failure (a full disk) is that call's
@@ -135,21 +137,31 @@ def _delegate(method: Method, concurrent: bool) -> Callable:
     """The actor class's method for ``method``: the implementation's, called with the same arguments. It declares the
     Protocol's parameters, which Ray checks a call against before sending it."""
     key = method.name
-    if method.streams:
-        async def call(self, *args, **kwargs):
-            items = self._calls[key](*args, **kwargs)
-            try:
-                async for item in items:
-                    yield item
-            finally:  # a consumer that went away (Ray cancels the stream) stops the implementation's generator too
-                await items.aclose()
-    elif concurrent:
-        async def call(self, *args, **kwargs):
-            return await self._calls[key](*args, **kwargs)
-    else:
-        def call(self, *args, **kwargs):
-            return self._calls[key](*args, **kwargs)
+    call: Any = _streaming(key) if method.streams else _awaiting(key) if concurrent else _plain(key)
     call.__name__ = call.__qualname__ = key
     call.__doc__ = method.function.__doc__
-    call.__signature__ = inspect.signature(method.function)  # type: ignore[attr-defined]
+    call.__signature__ = inspect.signature(method.function)
+    return call
+
+
+def _streaming(key: str) -> Callable[..., AsyncIterator[Any]]:
+    async def call(self, *args, **kwargs):
+        items = self._calls[key](*args, **kwargs)
+        try:
+            async for item in items:
+                yield item
+        finally:  # a consumer that went away (Ray cancels the stream) stops the implementation's generator too
+            await items.aclose()
+    return call
+
+
+def _awaiting(key: str) -> Callable[..., Any]:
+    async def call(self, *args, **kwargs):
+        return await self._calls[key](*args, **kwargs)
+    return call
+
+
+def _plain(key: str) -> Callable[..., Any]:
+    def call(self, *args, **kwargs):
+        return self._calls[key](*args, **kwargs)
     return call
