@@ -18,6 +18,7 @@ import ray
 
 from adapters.actors import actor_proxy
 from adapters.boundary import actor_class
+from bench.common import write
 
 HERE = "bench.boundary_overhead"
 """This module's import path, also when run as ``__main__``: the actors import the implementations from it."""
@@ -41,15 +42,18 @@ class ConcurrentEcho:
         return value
 
 
-async def _per_call(call, calls: int) -> float:
-    """Microseconds per call, one call after another (the median of five rounds)."""
-    rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for value in range(calls):
-            await call(value)
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(rounds)
+async def _per_call(calls: dict[str, object], count: int, rounds: int = 7) -> dict[str, float]:
+    """Microseconds per call of each of ``calls``, one call after another: the median of ``rounds`` rounds, the
+    ways taking turns within each round so that a load that changes meanwhile (a shared machine) weighs on each
+    alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for value in range(count):
+                await call(value)  # type: ignore[operator]
+            times[name].append((time.perf_counter() - start) / count * 1e6)
+    return {name: statistics.median(each) for name, each in times.items()}
 
 
 def _in_process(calls: int) -> tuple[float, float]:
@@ -77,8 +81,7 @@ async def _through_ray(calls: int) -> dict[str, float]:
         async def raw(value: int, handle=bare) -> int:
             return await handle.echo.remote(value)
 
-        out[f"{kind}: bare handle"] = await _per_call(raw, calls)
-        out[f"{kind}: boundary"] = await _per_call(typed.echo, calls)
+        out |= await _per_call({f"{kind}: bare handle": raw, f"{kind}: boundary": typed.echo}, calls)
         ray.kill(bare)
         ray.kill(made)
     return out
@@ -89,13 +92,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     own, delegated = _in_process(args.calls)
-    print(f"in one process: the implementation's method {own:.0f} ns, the actor class's {delegated:.0f} ns per call")
+    rows = [{"path": "in-process", "way": "implementation", "ns_per_call": own},
+            {"path": "in-process", "way": "actor class from the Protocol", "ns_per_call": delegated}]
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
     try:
         for name, micros in asyncio.run(_through_ray(args.calls)).items():
-            print(f"through Ray, {name}: {micros:.0f} µs per call")
+            rows.append({"path": "through Ray", "way": name, "us_per_call": micros})
     finally:
         ray.shutdown()
+    write("boundary_overhead", vars(args), rows)
 
 
 if __name__ == "__main__":
