@@ -1,20 +1,26 @@
-"""Calling Ray actors: errors come back as the server's own kinds, so callers never see Ray exception types."""
+"""Calling Ray actors through their component's Protocol (``adapters.boundary``): a typed proxy whose attributes are
+the Protocol's methods, and errors that come back as the server's own kinds, so callers never see Ray exception
+types."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, TypeVar, cast
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from adapters.boundary import Method, methods
 from adapters.disk import DiskFull
 from adapters.samplers.interface import Restarting
 from shims.errors import ConfigurationRefused, UserError
 
 log = logging.getLogger("compat_server.actors")
+
+T = TypeVar("T")
 
 
 def ray_node() -> str:
@@ -69,16 +75,10 @@ def _cancel(ref) -> None:
         log.debug("could not cancel a Ray task: %s", exc)
 
 
-async def call_actor(actor, method: str, what: str, *args, **kwargs):
-    """Await ``actor.method(*args)``. A caller that stops waiting (its task cancelled) cancels the actor task too:
-    queued, it never runs; running in an async actor, it is cancelled there (a sampler drops the request)."""
-    return await await_call(getattr(actor, method).remote(*args, **kwargs), what, method)
-
-
 async def await_call(ref, what: str, method: str, cancel: bool = True):
-    """Await an actor call already submitted (``ref``), its errors translated as ``call_actor``'s. ``cancel``: a
-    caller that stops waiting cancels the call (not where several actors must all run the same calls: the shards of
-    one trainer, ``adapters.trainer.group``)."""
+    """Await an actor call already submitted (``ref``), its errors translated (``_translated``). ``cancel``: a caller
+    that stops waiting cancels the call (not where several actors must all run the same calls: the shards of one
+    trainer, ``adapters.trainer.group``)."""
     try:
         with _translated(what, method):
             return await ref
@@ -88,14 +88,68 @@ async def await_call(ref, what: str, method: str, cancel: bool = True):
         raise
 
 
-async def stream_actor(actor, method: str, what: str, *args) -> AsyncIterator:
-    """Iterate what the async-generator method ``actor.method(*args)`` yields, each item as soon as it is yielded.
-    A consumer that stops early cancels the actor's generator (Ray would otherwise run it to its end)."""
-    generator = getattr(actor, method).options(num_returns="streaming").remote(*args)
+async def _stream(submit: Callable[[], Any], what: str, method: str) -> AsyncIterator:
+    """Start a streaming actor method (``submit``: its ``ObjectRefGenerator``) once the consumer asks for its first
+    item, then iterate what it yields, each item as soon as it is yielded. A consumer that stops early cancels the
+    actor's generator (Ray would otherwise run it to its end)."""
+    refs = submit()
     try:
         with _translated(what, method):
-            async for ref in generator:
+            async for ref in refs:
                 yield await ref
     except (GeneratorExit, asyncio.CancelledError):
-        _cancel(generator)
+        _cancel(refs)
         raise
+
+
+class _Proxy:
+    """Calls to a component through its Protocol (``adapters.boundary``): an attribute for each Protocol method,
+    made once, each sending its calls the one way the proxy was made with."""
+
+    def __init__(self, protocol: Any, bind: Callable[[Method], Callable[..., Any]], what: str) -> None:
+        self._what = what
+        for method in methods(protocol).values():
+            self.__dict__[method.name] = bind(method)
+
+    def __repr__(self) -> str:
+        return f"<{self._what}>"
+
+
+def actor_proxy(handle: Any, protocol: Callable[..., T], what: str, cancel: bool = True) -> T:
+    """The actor behind the Ray ``handle``, called as ``protocol`` says: ``await proxy.sample(adapter, job)``, ``async
+    for item in proxy.stream(adapter, job)``, each call's errors translated (``_translated``; ``what`` names the actor
+    in them). A caller that stops waiting cancels the actor task too (``cancel``, not for an actor that must run every
+    call it was sent: a trainer shard): queued, it never runs; running in an async actor, it is cancelled there (a
+    sampler drops the request). (``protocol`` is the Protocol class, typed as a callable making a ``T`` because mypy
+    refuses a Protocol where a ``type[T]`` is expected; the type checker then sees ``T``'s methods on the proxy.)"""
+
+    def bind(method: Method) -> Callable[..., Any]:
+        if method.streams:
+            return lambda *args, **kwargs: _stream(lambda: method.submit(handle, args, kwargs), what, method.name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await await_call(method.submit(handle, args, kwargs), what, method.name, cancel)
+        return call
+
+    return cast(T, _Proxy(protocol, bind, what))
+
+
+Around = Callable[[Method, tuple, dict], AbstractContextManager[Any]]
+"""What wraps each call a proxy sends (``Method``, its arguments): the server's tracing span."""
+
+
+def proxy(protocol: Callable[..., T], send: Callable[[Method, tuple, dict], Awaitable[Any]], what: str,
+          around: Around | None = None) -> T:
+    """A component made of several actors (the shards of one trainer), called as ``protocol`` says: each call goes to
+    ``send`` with its method and arguments, inside ``around`` if given."""
+
+    def bind(method: Method) -> Callable[..., Awaitable[Any]]:
+        if around is None:
+            return lambda *args, **kwargs: send(method, args, kwargs)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            with around(method, args, kwargs):
+                return await send(method, args, kwargs)
+        return call
+
+    return cast(T, _Proxy(protocol, bind, what))

@@ -204,8 +204,7 @@ def sharded(model: Path, device: str) -> list[str]:
     gradient norms and logprobs (within the dtype's tolerance). A machine with 3 or more GPUs also runs the server
     smoke with the trainer sharded over all of them but one (``--trainer-shards``)."""
     from adapters.trainer.actor import MultiLoRATrainer
-    from adapters.trainer.interface import AdamHyper, LoraSpec
-    from adapters.trainer.shards import ShardSpec
+    from adapters.trainer.interface import AdamHyper, LoraSpec, ShardSpec
     from shims.tinker.training_wire import DatumArrays
     from tests.helpers import logprob_tolerance
     from tests.server import free_port

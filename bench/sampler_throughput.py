@@ -16,6 +16,7 @@ from pathlib import Path
 
 from adapters.models.tiny import ensure_tiny_model
 from adapters.samplers.interface import AdapterRef
+from adapters.samplers.options import SamplerOptions
 from adapters.trainer.actor import LoraSpec, MultiLoRATrainer
 from bench.common import write
 from shims.sampling.job import SampleJob
@@ -44,11 +45,12 @@ def main() -> None:
     if args.backend == "vllm":
         from adapters.samplers.vllm.sampler import VLLMSampler
 
-        sampler = VLLMSampler(location, max_resident=args.adapters)
+        sampler = VLLMSampler(location, SamplerOptions(max_resident=args.adapters))
     else:
         from adapters.samplers.hf.sampler import TransformersSampler
 
-        sampler = TransformersSampler(location, max_batch_sequences=args.requests, max_resident=args.adapters)
+        sampler = TransformersSampler(location, SamplerOptions(max_batch_sequences=args.requests,
+                                                                max_resident=args.adapters))
 
     def job(i: int) -> SampleJob:
         return SampleJob(prompt=tuple(range(10 + i % 7, 30 + i % 7)), max_tokens=args.tokens, seed=i,

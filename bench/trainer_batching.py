@@ -23,6 +23,7 @@ import torch
 
 from adapters.trainer.actor import LORA_ALPHA, AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
 from adapters.trainer.interface import OptimRequest
+from adapters.trainer.options import TrainerOptions
 from bench.common import mfu, model_directory, non_embedding_params, write
 from bench.through_server import sdk_datums, sdk_step, served, service_client, torch_threads
 from shims.tinker.training_wire import DatumArrays
@@ -45,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     directory = model_directory(args.shape)
-    trainer = MultiLoRATrainer(str(directory), max_adapters=args.adapters + 1)
+    trainer = MultiLoRATrainer(str(directory), TrainerOptions(max_adapters=args.adapters + 1))
     vocab = trainer.facts.vocab_size
     rng = np.random.default_rng(0)
 

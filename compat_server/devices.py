@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from adapters.samplers.options import SamplerOptions
+from adapters.trainer.options import TrainerOptions
 from shims.errors import ConfigurationRefused
 
 _SLACK = 1e-6
@@ -24,14 +26,32 @@ _SLACK = 1e-6
 
 @dataclass(frozen=True)
 class GpuAsk:
-    """What the options ask of the cluster's GPUs (``None``: the option left to its default)."""
+    """What the options ask of the cluster's GPUs: ``models`` base models, each with its trainer and its samplers
+    (their ``gpus`` None: left to the cluster)."""
 
     models: int
-    trainer_shards: int = 1
-    samplers: int = 1
-    tensor_parallel_size: int = 1
-    trainer_gpus: float | None = None
-    sampler_gpus: float | None = None
+    trainer: TrainerOptions
+    sampler: SamplerOptions
+
+    @property
+    def trainer_shards(self) -> int:
+        return self.trainer.shards
+
+    @property
+    def samplers(self) -> int:
+        return self.sampler.count
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.sampler.tensor_parallel_size
+
+    @property
+    def trainer_gpus(self) -> float | None:
+        return self.trainer.gpus
+
+    @property
+    def sampler_gpus(self) -> float | None:
+        return self.sampler.gpus
 
     @property
     def shards(self) -> int:

@@ -8,19 +8,18 @@ import math
 import os
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 
 from adapters.models.resolve import BaseModelSpec, resolve_base_model
 from adapters.samplers.interface import choose_backend
-from adapters.samplers.pool import SamplerPlacement, SamplerPool
-from adapters.samplers.vllm.options import VLLMOptions
-from adapters.trainer.pool import TrainerPlacement, TrainerPool
+from adapters.samplers.pool import SamplerPool
+from adapters.trainer.pool import TrainerPool
 from compat_server import watchdog
 from compat_server.access.quotas import KeyQuota
 from compat_server.access.tokens import TokenIssuer
-from compat_server.account.service import AccountService, SessionLimits
+from compat_server.account.service import AccountService
 from compat_server.completions.service import CompletionsService
 from compat_server.completions.workers import TokenWorkers
 from compat_server.config import ServerConfig
@@ -31,11 +30,10 @@ from compat_server.records import SCHEMA_VERSION, Records
 from compat_server.runs.checkpoint_store import CheckpointStore
 from compat_server.runs.downloads import UrlSigner
 from compat_server.runs.service import RunsService
-from compat_server.sampling.service import SamplingOptions, SamplingService
-from compat_server.telemetry import observe
+from compat_server.sampling.service import SamplingService
+from compat_server.telemetry import observe, trainer_span
 from compat_server.training.service import TrainingService
 from shims.errors import ConfigurationRefused
-from shims.openai.params import OpenAILimits
 
 log = logging.getLogger("compat_server")
 
@@ -89,8 +87,8 @@ def _custom_resources(config: ServerConfig) -> dict[str, float]:
     """The custom Ray resources every trainer and sampler replica together ask for."""
     needed: dict[str, float] = {}
     models = len(config.base_models)
-    for resources, count in ((config.trainer_resources, models * config.trainer_shards),
-                             (config.sampler_resources, models * config.samplers)):
+    for resources, count in ((config.trainer.resources, models * config.trainer.shards),
+                             (config.sampler.resources, models * config.sampler.count)):
         for name, amount in resources.items():
             needed[name] = needed.get(name, 0.0) + amount * count
     return needed
@@ -103,13 +101,13 @@ def _init_ray(config: ServerConfig) -> None:
         available = ray.cluster_resources()
         short = {name: amount for name, amount in needed.items() if available.get(name, 0.0) < amount}
         if short:  # the actors would wait for these forever; say so at once instead
-            raise ConfigurationRefused(f"the Ray cluster at {config.ray_address} lacks the custom resources the trainers and "
-                               f"samplers ask for: needs {short}, has "
-                               f"{ {n: available.get(n, 0.0) for n in short} }; start its nodes with "
-                               "`ray start --resources '{\"NAME\": AMOUNT}'`")
+            raise ConfigurationRefused(f"the Ray cluster at {config.ray_address} lacks the custom resources the "
+                                       f"trainers and samplers ask for: needs {short}, has "
+                                       f"{ {n: available.get(n, 0.0) for n in short} }; start its nodes with "
+                                       "`ray start --resources '{\"NAME\": AMOUNT}'`")
     else:
         # Ray CPUs are logical: ask for at least what the configured actors reserve, or they could never be placed.
-        per_model = config.trainer_cpus * config.trainer_shards + config.samplers * config.sampler_cpus
+        per_model = config.trainer.cpus * config.trainer.shards + config.sampler.count * config.sampler.cpus
         cpus = math.ceil(per_model * len(config.base_models))
         ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, cpus), resources=needed or None,
                  object_store_memory=config.ray_object_store_mb * 1024 * 1024, include_dashboard=False,
@@ -126,31 +124,18 @@ async def start_services(config: ServerConfig) -> Services:
         log.warning("the previous server process stopped with %d requests in flight (now failed) and %d models "
                     "loaded (reload them from a checkpoint)", failed, unloaded)
     _start_ray(config)
-    ask = GpuAsk(models=len(base_models), trainer_shards=config.trainer_shards, samplers=config.samplers,
-                 tensor_parallel_size=config.sampler_tensor_parallel_size, trainer_gpus=config.trainer_gpus,
-                 sampler_gpus=config.sampler_gpus)
+    ask = GpuAsk(len(base_models), config.trainer, config.sampler)
     trainer_gpus, sampler_gpus = gpu_shares(ray.cluster_resources().get("GPU", 0), ask)
     if missing := gpu_refusal(node_gpus(), ask, trainer_gpus, sampler_gpus):
         raise ConfigurationRefused(missing)
-    trainers = TrainerPool(list(base_models.values()), TrainerPlacement(
-        num_cpus=config.trainer_cpus, num_gpus=trainer_gpus, threads=config.trainer_threads,
-        resources=config.trainer_resources or None,
-        max_batch_tokens=config.max_batch_tokens, max_adapters=config.max_adapters,
-        recompute_tokens=config.activation_checkpointing_tokens, shards=config.trainer_shards,
-        placement_timeout=config.placement_timeout))
-    backend = choose_backend(config.sampler_backend, sampler_gpus > 0)
-    samplers = SamplerPool(list(base_models.values()), SamplerPlacement(
-        count=config.samplers, backend=backend, num_cpus=config.sampler_cpus, num_gpus=sampler_gpus,
-        resources=config.sampler_resources or None,
-        threads=config.sampler_threads, max_batch_sequences=config.sampler_batch,
-        max_resident=config.max_resident_adapters, dtype=config.sampler_dtype, max_model_len=config.max_model_len,
-        disable_any_whitespace=config.disable_any_whitespace,
-        vllm=VLLMOptions(
-            max_lora_rank=config.max_lora_rank, max_loras=config.vllm_max_loras,
-            gpu_memory_utilization=config.vllm_gpu_memory_utilization or (
-                round(0.85 * min(sampler_gpus, 1.0), 2) if sampler_gpus > 0 else None),
-            kv_cache_gb=config.vllm_kv_cache_gb, tensor_parallel_size=config.sampler_tensor_parallel_size)))
-    if backend == "vllm" and sampler_gpus > 0 and trainer_gpus > 0:
+    # The components get their own options, with what was left to be decided at start now decided.
+    trainers = TrainerPool(list(base_models.values()), replace(config.trainer, gpus=trainer_gpus), traced=trainer_span)
+    vllm = config.sampler.vllm
+    samplers = SamplerPool(list(base_models.values()), replace(
+        config.sampler, backend=choose_backend(config.sampler.backend, sampler_gpus > 0), gpus=sampler_gpus,
+        vllm=replace(vllm, gpu_memory_utilization=vllm.gpu_memory_utilization or (
+            round(0.85 * min(sampler_gpus, 1.0), 2) if sampler_gpus > 0 else None))))
+    if samplers.options.backend == "vllm" and sampler_gpus > 0 and trainer_gpus > 0:
         # vLLM checks at start that the share of the GPU it is given is free; a trainer that loaded first on the
         # same GPU would make that check fail, so the samplers take their share first.
         await samplers.start()
@@ -167,25 +152,17 @@ async def start_services(config: ServerConfig) -> Services:
     if moved := checkpoints.adopt_unversioned(records.checkpoints.all_checkpoints()):
         log.info("moved %d checkpoints into per-save directories (records schema %d)", moved, SCHEMA_VERSION)
     sampling = SamplingService(records, scheduler, samplers, checkpoints, config.ephemeral_dir, base_models,
-                               SamplingOptions(max_num_samples=config.max_num_samples,
-                                               max_logprobs_k=config.max_logprobs_k,
-                                               drift_probe_every=config.drift_probe_every,
-                                               ephemeral_keep=config.ephemeral_keep,
-                                               stability_ttl_seconds=config.stability_ttl))
+                               config.sampling)
     training = TrainingService(records, scheduler, checkpoints, base_models, sampling, config.max_adapters_per_key,
-                               config.max_lora_rank)
+                               config.sampler.vllm.max_lora_rank)
     trainers.on_restart = training.reload_after_restart
     signer = UrlSigner(config.url_key_path, config.download_url_ttl)
     runs = RunsService(records, checkpoints, signer)
     services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
-                    completions=CompletionsService(sampling, records, base_models, quota,
-                                                   OpenAILimits(max_stop=config.max_stop_strings,
-                                                                max_logprobs=config.max_logprobs,
-                                                                max_temperature=config.max_temperature),
-                                                   TokenWorkers(config.tokenizer_threads), config.max_prompt_chars),
-                    runs=runs, account=AccountService(records, signer, SessionLimits(
-                        config.max_session_field_chars, config.max_session_tags, config.max_session_metadata_bytes)),
+                    completions=CompletionsService(sampling, records, base_models, quota, config.openai,
+                                                   TokenWorkers(config.tokenizer_threads)),
+                    runs=runs, account=AccountService(records, signer, config.sessions),
                     base_models=base_models,
                     tokens=TokenIssuer(config.url_key_path.read_bytes(), config.token_ttl))
     loop = asyncio.get_running_loop()

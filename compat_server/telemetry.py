@@ -14,6 +14,8 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -135,3 +137,9 @@ def ids(model_id: str | None = None, request_id: str | None = None, seq_id: int 
     if kind:
         attributes["compat_server.kind"] = kind
     return attributes
+
+
+def trainer_span(operation: str, model_id: str | None) -> AbstractContextManager[Any]:
+    """The span of one trainer operation (``trainer.save_state``) on the run ``model_id`` (None: no run's), around
+    each call the services make to a trainer (``adapters.trainer.pool.TrainerPool``'s ``traced``)."""
+    return tracer.start_as_current_span(f"trainer.{operation}", attributes=ids(model_id))

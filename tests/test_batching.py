@@ -9,7 +9,7 @@ import pytest
 
 from adapters.batching import Coalescer
 from adapters.trainer.interface import AdamHyper, OptimRequest, StepRequest
-from adapters.trainer.pool import TrainerPlacement, TrainerPool
+from adapters.trainer.pool import TrainerOptions, TrainerPool
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
 
@@ -61,7 +61,7 @@ def _request(tokens: int) -> StepRequest:
 
 
 def test_trainer_batches_admit_requests_up_to_the_token_budget():
-    pool = TrainerPool([], TrainerPlacement(max_batch_tokens=100))
+    pool = TrainerPool([], TrainerOptions(max_batch_tokens=100))
     assert pool._admit([_request(60), _request(30), _request(20)]) == 2
     assert pool._admit([_request(100), _request(1)]) == 1
     step = OptimRequest("other-run", AdamHyper())  # optim steps join any call: they hold no tokens

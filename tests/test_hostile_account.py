@@ -15,7 +15,7 @@ from tinker import types
 
 from compat_server.config import ServerConfig
 
-LIMITS = ServerConfig()
+LIMITS = ServerConfig().sessions
 """The defaults of the session limits, which ``keyed_server`` runs with."""
 BIG = "x" * (8 << 20)
 """What issue 31's hostile tenant stored in a session's fields: 8 MiB."""
@@ -69,11 +69,11 @@ def test_oversized_session_fields_are_refused_and_a_search_page_stays_bounded(ke
     is stored, and a full search page stays within what 200 such sessions can hold."""
     server, keys = keyed_server
     url, alice = server.base_url, {"X-API-Key": keys["alice"]}
-    over = "y" * (LIMITS.max_session_field_chars + 1)
+    over = "y" * (LIMITS.field_chars + 1)
     hostile = [({"display_name": BIG}, "--max-session-field-chars"), ({"display_name": over}, "display_name"),
                ({"project_id": BIG}, "--max-session-field-chars"), ({"sdk_version": BIG}, "sdk_version"),
                ({"tags": [BIG]}, "--max-session-field-chars"),
-               ({"tags": ["t"] * (LIMITS.max_session_tags + 1)}, "--max-session-tags"),
+               ({"tags": ["t"] * (LIMITS.tags + 1)}, "--max-session-tags"),
                ({"user_metadata": {"k": BIG}}, "--max-session-metadata-bytes")]
     for fields, words in hostile:
         body = {"tags": [], "user_metadata": None, "sdk_version": "raw", "type": "create_session", **fields}
@@ -82,10 +82,10 @@ def test_oversized_session_fields_are_refused_and_a_search_page_stays_bounded(ke
         tinker.ServiceClient(base_url=url, api_key=keys["alice"], display_name=over).holder.get_session_id()
 
     # The most the limits admit is accepted, and a project too long for them is refused on assignment too.
-    most = {"tags": ["t" * LIMITS.max_session_field_chars] * LIMITS.max_session_tags, "sdk_version": "raw",
-            "type": "create_session", "display_name": "n" * LIMITS.max_session_field_chars,
-            "project_id": "p" * LIMITS.max_session_field_chars,
-            "user_metadata": {"k": "v" * (LIMITS.max_session_metadata_bytes - len('{"k": ""}'))}}
+    most = {"tags": ["t" * LIMITS.field_chars] * LIMITS.tags, "sdk_version": "raw",
+            "type": "create_session", "display_name": "n" * LIMITS.field_chars,
+            "project_id": "p" * LIMITS.field_chars,
+            "user_metadata": {"k": "v" * (LIMITS.metadata_bytes - len('{"k": ""}'))}}
     created = httpx.post(f"{url}/api/v1/create_session", json=most, headers=alice)
     assert created.status_code == 200, created.text
     session_id = created.json()["session_id"]
@@ -96,8 +96,8 @@ def test_oversized_session_fields_are_refused_and_a_search_page_stays_bounded(ke
     assert page.status_code == 200, page.text
     sessions = page.json()["sessions"]
     assert session_id in [s["session_id"] for s in sessions]
-    assert all(len(s["display_name"] or "") <= LIMITS.max_session_field_chars for s in sessions)
-    per_session = 2 * LIMITS.max_session_metadata_bytes + 2 * LIMITS.max_session_field_chars + 1024  # JSON escapes
+    assert all(len(s["display_name"] or "") <= LIMITS.field_chars for s in sessions)
+    per_session = 2 * LIMITS.metadata_bytes + 2 * LIMITS.field_chars + 1024  # JSON escapes
     assert len(page.content) <= 200 * per_session
     refused(httpx.post(f"{url}/api/v1/sessions/search", json={"limit": 201}, headers=alice), 400, "limit")
 

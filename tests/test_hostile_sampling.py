@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from adapters.samplers.interface import AdapterRef
+from adapters.samplers.options import SamplerOptions
 from shims.errors import UserError
 from shims.sampling.job import SampleJob
 from tests.helpers import BASE_MODEL, on_both_sampler_backends
@@ -168,7 +169,7 @@ def test_a_row_whose_logits_are_not_finite_fails_alone_in_its_batch(tiny_model_d
     the whole batch), and the other's tokens are those it gets alone."""
     from adapters.samplers.hf.sampler import TransformersSampler
 
-    sampler = TransformersSampler(str(tiny_model_dir), max_resident=2, threads=1)
+    sampler = TransformersSampler(str(tiny_model_dir), SamplerOptions(max_resident=2, threads=1))
     honest_job = SampleJob(prompt=(11, 42, 77, 103), max_tokens=24, temperature=0.0, stop_at_eos=False)
     hostile_job = SampleJob(prompt=(5, 6, 7), max_tokens=8, temperature=1.0)
 

@@ -1,21 +1,26 @@
-"""The options of ``compat-server serve``: one flag and one environment variable for each ``ServerConfig`` field,
-their defaults in the help, the environment overridden by the command line, and bad values refused by name."""
+"""The options of ``compat-server serve``: one flag and one environment variable for each option of ``ServerConfig``
+and of the component options it nests, their defaults in the help, the environment overridden by the command line,
+bad values refused by name, and each component's options made its own dataclass."""
 
 from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from adapters.models.tiny import TINY_MODEL_NAME
+from adapters.samplers.options import SamplerOptions
+from adapters.samplers.vllm.options import VLLMOptions
+from adapters.trainer.options import TrainerOptions
 from compat_server.cli.options import config_from_args, serve_parser
 from compat_server.config import ServerConfig
+from shims.option import option_default, option_fields, option_value
 
-FIELDS = {f.name: f for f in fields(ServerConfig)}
+FIELDS = dict(option_fields(ServerConfig))
+"""Every option, by its path (``max_body_mb``, ``trainer.cpus``, ``sampler.vllm.max_loras``)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,8 +41,11 @@ def env_name(action: argparse.Action) -> str:
 
 
 def default(name: str) -> Any:
-    f = FIELDS[name]
-    return f.default if f.default_factory is MISSING else f.default_factory()
+    return option_default(FIELDS[name])
+
+
+def values(made: ServerConfig) -> dict[str, Any]:
+    return {path: option_value(made, path) for path in FIELDS}
 
 
 def test_every_config_field_has_exactly_one_flag_and_one_environment_variable():
@@ -99,8 +107,8 @@ def test_the_environment_sets_every_option_and_the_command_line_wins(monkeypatch
             from_argv[action.dest] = from_env[action.dest]
         for item in items:
             argv += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], item]
-    assert vars(config()) == from_env
-    assert vars(config(*argv)) == from_argv
+    assert values(config()) == from_env
+    assert values(config(*argv)) == from_argv
 
 
 @pytest.mark.parametrize("env", [{}, {"COMPAT_SERVER_BASE_MODEL": "a,b", "COMPAT_SERVER_TRAINER_RESOURCE": "x=1"}])
@@ -108,7 +116,7 @@ def test_a_repeated_option_on_the_command_line_replaces_the_environments(monkeyp
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     made = config("--base-model", "c", "--base-model", "d", "--trainer-resource", "gpu_node=0.5")
-    assert made.base_models == ["c", "d"] and made.trainer_resources == {"gpu_node": 0.5}
+    assert made.base_models == ["c", "d"] and made.trainer.resources == {"gpu_node": 0.5}
 
 
 def test_a_flag_in_the_environment_reads_as_a_boolean(monkeypatch):
@@ -169,3 +177,15 @@ def test_open_auth_is_refused_on_a_reachable_address_unless_allowed():
     config("--host", "0.0.0.0", "--auth", "open", "--allow-open-auth").validate()
     config("--host", "::1", "--auth", "open").validate()
     assert config("--host", "0.0.0.0").auth_mode == "keys"
+
+
+def test_each_component_gets_its_options_as_its_own_dataclass():
+    made = config("--trainer-cpus", "2", "--samplers", "3", "--vllm-max-loras", "2", "--max-session-tags", "5")
+    assert made.trainer == TrainerOptions(cpus=2.0) and made.sampler == SamplerOptions(count=3, vllm=VLLMOptions(
+        max_loras=2))
+    assert made.sessions.tags == 5 and made.sessions.field_chars == ServerConfig().sessions.field_chars
+
+
+def test_the_max_lora_rank_the_samplers_are_started_for_is_the_cli_s():
+    """It once defaulted to 64 in the vLLM options and to 512 in the training service, against the CLI's 128."""
+    assert config().sampler.vllm.max_lora_rank == VLLMOptions().max_lora_rank == 128

@@ -29,7 +29,7 @@ def test_schema_1_checkpoints_get_an_identity_and_a_save_directory_and_old_sessi
     (legacy / "adapter_config.json").write_text("{}")
 
     records = Records(tmp_path / "records.sqlite3")
-    store = CheckpointStore(tmp_path / "checkpoints")
+    store = CheckpointStore(tmp_path / "checkpoints", min_ttl_seconds=3600)
     assert store.adopt_unversioned(records.checkpoints.all_checkpoints()) == 1
     assert store.adopt_unversioned(records.checkpoints.all_checkpoints()) == 0  # a second start moves nothing
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from adapters.samplers.interface import AdapterRef
+from adapters.samplers.options import SamplerOptions
 from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
+from adapters.trainer.options import TrainerOptions
 from shims.errors import UserError
 from shims.sampling.job import OutputConstraint, SampleJob
 from shims.tinker.training_wire import DatumArrays
@@ -37,12 +39,13 @@ def make_sampler(request, tiny_model_dir):
             if request.param == "vllm":
                 from adapters.samplers.vllm.sampler import VLLMSampler
 
-                made.append(VLLMSampler(str(tiny_model_dir), max_resident=4, disable_any_whitespace=True))
+                made.append(VLLMSampler(str(tiny_model_dir),
+                                        SamplerOptions(max_resident=4, disable_any_whitespace=True)))
             else:
                 from adapters.samplers.hf.sampler import TransformersSampler
 
-                made.append(TransformersSampler(str(tiny_model_dir), max_resident=4, threads=2,
-                                                disable_any_whitespace=True))
+                made.append(TransformersSampler(str(tiny_model_dir), SamplerOptions(max_resident=4, threads=2,
+                                                                                    disable_any_whitespace=True)))
         return made[0]
 
     make.backend = request.param
@@ -54,7 +57,7 @@ def make_sampler(request, tiny_model_dir):
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory) -> list[AdapterRef]:
     """Two trained adapters (different ranks and targets) saved as sampler checkpoints."""
-    trainer = MultiLoRATrainer(str(tiny_model_dir), threads=2)
+    trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(threads=2))
     tokens = np.array([*PROMPT, 301, 17, 96])
     data = [DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
                                                             "weights": np.ones(tokens.size - 1, dtype=np.float32)})]
@@ -254,10 +257,10 @@ def test_a_greedy_request_gives_its_one_sequence_to_every_sample(make_sampler):
 
 def test_pool_routes_an_adapter_to_the_replica_that_holds_it():
     """Routing only (no actors): affinity wins unless that replica is much busier than the least busy one."""
-    from adapters.samplers.pool import SamplerPlacement, SamplerPool, _BaseReplicas, _Replica
+    from adapters.samplers.pool import SamplerPool, _BaseReplicas, _Replica
 
-    pool = SamplerPool([], SamplerPlacement(count=2, max_batch_sequences=4))
-    base = _BaseReplicas([_Replica(actor=None), _Replica(actor=None)])
+    pool = SamplerPool([], SamplerOptions(count=2, max_batch_sequences=4))
+    base = _BaseReplicas([_Replica(actor=None, calls=None, what="0"), _Replica(actor=None, calls=None, what="1")])
     a, b = AdapterRef("a", "/a"), AdapterRef("b", "/b")
     assert pool._route(base, a) == 0
     base.replicas[0].in_flight = 1

@@ -16,7 +16,7 @@ INTERFACE_METHODS = sorted(name for name, member in vars(SamplerBackend).items()
                            if inspect.isfunction(member) and not name.startswith("_"))
 
 
-def test_the_interface_declares_what_the_pool_calls():
+def test_the_interface_declares_what_the_replica_calls():
     assert INTERFACE_METHODS == ["close", "facts", "resident", "sample", "stats", "torch_threads"]
     assert "dead" in SamplerBackend.__annotations__
 

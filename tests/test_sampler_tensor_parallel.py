@@ -20,8 +20,8 @@ import tinker
 from safetensors.numpy import load_file
 from tinker import types
 
-from adapters.samplers.pool import SamplerPlacement, SamplerPool
-from adapters.samplers.vllm.options import VLLMOptions
+from adapters.samplers.options import SamplerOptions
+from adapters.samplers.pool import SamplerPool
 from adapters.samplers.vllm.parallel import (
     THREADS_BIND,
     CannotBind,
@@ -76,7 +76,7 @@ def test_a_tensor_parallel_replica_holds_whole_gpus_or_none():
     for wrong in (0.5, 1, 4):
         problem = gpus_per_replica_problem(2, wrong)
         assert "--sampler-gpus" in problem and "--sampler-tensor-parallel-size 2" in problem
-    config = ServerConfig(sampler_tensor_parallel_size=2, sampler_gpus=0.5)
+    config = ServerConfig(sampler=SamplerOptions(tensor_parallel_size=2, gpus=0.5))
     with pytest.raises(ValueError, match="--sampler-gpus 0.5 does not fit --sampler-tensor-parallel-size 2"):
         config.validate()
 
@@ -84,7 +84,7 @@ def test_a_tensor_parallel_replica_holds_whole_gpus_or_none():
 def test_only_the_vllm_backend_takes_a_tensor_parallel_size():
     assert backend_refusal("vllm", 2) is None and backend_refusal("transformers", 1) is None
     with pytest.raises(ConfigurationRefused, match="--sampler-tensor-parallel-size 2 .* --sampler-backend vllm"):
-        SamplerPool([], SamplerPlacement(backend="transformers", vllm=VLLMOptions(tensor_parallel_size=2)))
+        SamplerPool([], SamplerOptions(backend="transformers", tensor_parallel_size=2))
 
 
 # Through the server: size 2 against the session's size-1 vLLM server.

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adapters.trainer.options import TrainerOptions
 from tests.families import FAMILIES, family_dir
 from tests.server import free_port
 
@@ -27,6 +28,8 @@ SHARDED = ("llama3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl", "n
 text-only qwen3_5_moe are their neighbours' layouts)."""
 UNTIED = "qwen3"
 """A dense model with its own head: the batches of ``edge_script`` run on it."""
+RECOMPUTING = TrainerOptions(activation_checkpointing_tokens=64)
+"""Batches of these scripts recompute their layers' activations in backward (most are longer than 64 tokens)."""
 
 
 def script(trainer) -> tuple[list, list[float], dict]:
@@ -127,12 +130,12 @@ def _shard(rank: int, world: int, address: str, directories: list[str], checkpoi
     import torch
 
     from adapters.trainer.actor import MultiLoRATrainer
-    from adapters.trainer.shards import ShardSpec
+    from adapters.trainer.interface import ShardSpec
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for directory in directories:
-        trainer = MultiLoRATrainer(directory, recompute_tokens=64, shard=ShardSpec(rank, world, address))
+        trainer = MultiLoRATrainer(directory, RECOMPUTING, shard=ShardSpec(rank, world, address))
         outcome = script(trainer)
         if rank == 0:
             results.put((directory, outcome))
@@ -141,7 +144,7 @@ def _shard(rank: int, world: int, address: str, directories: list[str], checkpoi
         results.put(("isolation", isolated))
     import torch.distributed as dist
 
-    edges = edge_script(MultiLoRATrainer(str(family_dir(UNTIED)), recompute_tokens=64,
+    edges = edge_script(MultiLoRATrainer(str(family_dir(UNTIED)), RECOMPUTING,
                                          shard=ShardSpec(rank, world, address)),
                         checkpoint if rank == 0 else checkpoint + "-not-on-this-node")
     if rank == 0:
@@ -201,7 +204,7 @@ def test_two_shards_train_every_family_as_one_trainer(sharded_runs, family):
     from shims.errors import UserError
 
     assert family in FAMILIES
-    rounds, score, weights = script(MultiLoRATrainer(str(family_dir(family)), recompute_tokens=64))
+    rounds, score, weights = script(MultiLoRATrainer(str(family_dir(family)), RECOMPUTING))
     split_rounds, split_score, split_weights = sharded_runs[family]
     for (outcomes, stepped), (split_outcomes, split_stepped) in zip(rounds, split_rounds, strict=True):
         for plain, split in zip(outcomes, split_outcomes, strict=True):
@@ -250,7 +253,7 @@ def test_batches_that_leave_a_shard_out_of_the_loss_run_as_on_one_trainer(sharde
     from adapters.trainer.actor import MultiLoRATrainer
     from shims.errors import UserError
 
-    plain = edge_script(MultiLoRATrainer(str(family_dir(UNTIED)), recompute_tokens=64), edge_checkpoint)
+    plain = edge_script(MultiLoRATrainer(str(family_dir(UNTIED)), RECOMPUTING), edge_checkpoint)
     split = sharded_runs["edges"]
     assert plain[-2] == "loaded"
     assert isinstance(split[-2], UserError) and "could not be read by every trainer shard" in str(split[-2])

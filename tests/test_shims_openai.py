@@ -7,7 +7,8 @@ import torch
 from transformers import AutoTokenizer
 
 from shims.openai.errors import OpenAIError
-from shims.openai.params import OpenAILimits, sampling_job
+from shims.openai.limits import OpenAILimits
+from shims.openai.params import sampling_job
 from shims.openai.text import TextAssembler, Vocabulary
 from shims.openai.wire import ChatRequest, CompletionRequest, chat_messages, completion_prompts, parse_request
 from shims.sampling.arithmetic import penalized

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
+from adapters.trainer.options import TrainerOptions
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
 
@@ -117,7 +118,7 @@ def test_a_mixed_adapter_batch_equals_each_adapter_alone(tiny_model_dir):
 
 
 def test_the_adapter_limit_is_a_clear_user_error(tiny_model_dir):
-    trainer = MultiLoRATrainer(str(tiny_model_dir), max_adapters=2)
+    trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(max_adapters=2))
     trainer.create("one", LoraSpec(rank=2, seed=0))
     trainer.create("two", LoraSpec(rank=2, seed=0))
     with pytest.raises(UserError, match="already holds 2 training runs"):

@@ -16,12 +16,15 @@ import torch
 from tinker import types
 from transformers import AutoConfig
 
+from adapters.samplers.options import SamplerOptions
 from shims.sampling.job import SampleJob
 from tests.families import family_dir, reference_model
 from tests.helpers import expect_user_error, forward_logprobs, make_datum
 from tests.server import start_server
 
 PROMPT = (11, 42, 77, 103, 250, 7, 300)
+SMALL = SamplerOptions(max_resident=2, threads=1)
+"""The in-process samplers here: two adapters resident, one torch thread."""
 NEW_TOKENS = 8
 
 
@@ -63,7 +66,7 @@ def test_the_transformers_sampler_serves_a_vision_language_checkpoint_as_its_tex
         torch.testing.assert_close(reference(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=0, atol=1e-5)
     prompt_lp, tokens, token_lp = greedy_reference(reference, PROMPT, NEW_TOKENS)
 
-    sampler = TransformersSampler(str(vl_dir), max_resident=2, threads=1)
+    sampler = TransformersSampler(str(vl_dir), SMALL)
     loop = asyncio.new_event_loop()
     try:
         facts = sampler.facts()
@@ -112,7 +115,7 @@ def test_the_transformers_sampler_reads_the_text_settings_of_a_composite_config(
     assert not hasattr(reference.config, "vocab_size")
     _, tokens, token_lp = greedy_reference(reference, PROMPT, NEW_TOKENS)
 
-    sampler = TransformersSampler(str(tmp_path), max_resident=2, threads=1)
+    sampler = TransformersSampler(str(tmp_path), SMALL)
     loop = asyncio.new_event_loop()
     try:
         facts = sampler.facts()

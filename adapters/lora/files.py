@@ -31,16 +31,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from adapters.lora.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from adapters.lora.linear import Slot
 from shims.errors import UserError
 
 if TYPE_CHECKING:
     import torch
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-OPTIMIZER_STATE = "optimizer.pt"
-TRAINER_STATE = "trainer_state.json"
 
 PEFT_PREFIX = "base_model.model."
 """PEFT's prefix for a module path in a saved adapter."""
@@ -228,12 +224,6 @@ def whole_if_integer(value: float) -> int | float:
     """An alpha as ``adapter_config.json`` writes it: an int where it is one (as PEFT's own configs have it)."""
     value = round(float(value), 6)
     return int(value) if value.is_integer() else value
-
-
-def read_saved_step(directory: Path) -> int | None:
-    """The optimizer step a training checkpoint was saved at (None for sampler weights, which have no state)."""
-    state_file = directory / TRAINER_STATE
-    return int(json.loads(state_file.read_text())["step"]) if state_file.exists() else None
 
 
 def read_adapter_file(directory: Path) -> tuple[dict[str, torch.Tensor], float, int]:

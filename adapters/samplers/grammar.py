@@ -112,7 +112,7 @@ class JsonGrammars:
     """xgrammar's compiler for one tokenizer, and the grammars it compiled. The compiler is made on first use: it
     reads the whole vocabulary, which a server that never sees a constraint need not pay for."""
 
-    def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False) -> None:
+    def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool) -> None:
         """``vocab_size``: the width of the model's logits (its config's ``vocab_size``), which may exceed the
         tokenizer's vocabulary; the ids beyond it are never allowed. ``disable_any_whitespace``: JSON without the
         optional whitespace between tokens, compiled as vLLM compiles it for its setting of that name."""

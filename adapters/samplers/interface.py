@@ -1,16 +1,19 @@
-"""The one small interface every sampler backend implements, and what crosses it.
+"""The samplers' two interfaces, and what crosses them: ``SamplerReplica``, a replica as the server calls it, and
+``SamplerBackend``, the one small interface every sampler backend implements inside a replica.
 
 A backend holds one base model and serves sampling requests for it and for any LoRA adapter saved for sampling,
 loading adapters on demand from their checkpoint directory and keeping a bounded number resident. Backends, each a
 subclass of ``SamplerBackend``: ``adapters.samplers.hf.sampler.TransformersSampler`` (CPU default, GPU fallback) and
-``adapters.samplers.vllm.sampler.VLLMSampler`` (GPU, ``[gpu]`` extra). ``adapters.samplers.pool`` runs them as Ray
-actors and knows them only through ``SamplerBackend``.
+``adapters.samplers.vllm.sampler.VLLMSampler`` (GPU, ``[gpu]`` extra). Each replica is a Ray actor around one
+(``adapters.samplers.replica.SamplerActor``), which ``adapters.samplers.pool`` creates from its import path and calls
+through ``SamplerReplica`` alone: no backend is imported in the server process.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,8 +56,8 @@ class SamplerFacts:
 
 
 class SamplerBackend(Protocol):
-    """What a sampler backend offers the pool. Backends subclass it, so a type checker holds each to it (and
-    ``tests/test_sampler_interface.py`` checks their signatures match)."""
+    """What a sampler backend offers the replica that holds it (``SamplerActor``). Backends subclass it, so a type
+    checker holds each to it (and ``tests/test_sampler_interface.py`` checks their signatures match)."""
 
     dead: str | None
     """Why the backend can no longer serve (its actor is then replaced), or None."""
@@ -82,16 +85,43 @@ class SamplerBackend(Protocol):
     async def close(self) -> None: ...
 
 
+class SamplerReplica(Protocol):
+    """One sampler replica as the pool calls it: a Ray actor holding one backend, whose coroutines run concurrently
+    (concurrent requests reach the backend together, which batches them). ``SamplerActor`` implements it."""
+
+    async def facts(self) -> SamplerFacts:
+        """What the replica serves, and the torch threads it computes with; raises the ``ConfigurationRefused`` its
+        backend met at start."""
+        ...
+
+    async def ready(self) -> None:
+        """Answers once this replica can serve; raises ``Restarting`` while it is about to be replaced."""
+        ...
+
+    async def stats(self) -> dict:
+        """The backend's counters, its limits, and where it runs (node, pid)."""
+        ...
+
+    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
+        """Run one request (``job.num_samples`` sequences)."""
+        ...
+
+    def stream(self, adapter: AdapterRef | None, job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
+        """The same request as ``sample``, yielding the tokens as they come (every token available at that moment,
+        as one list), then the ``SampleResult``."""
+        ...
+
+
+SAMPLER_REPLICA_CLASS = "adapters.samplers.replica:SamplerActor"
+"""The class that implements ``SamplerReplica``, imported only in the replicas' actors."""
+
+
 def choose_backend(requested: str, has_gpu: bool) -> str:
     """``auto`` picks vLLM where a GPU and the ``[gpu]`` extra are present, and transformers everywhere else."""
     if requested != "auto":
         return requested
-    if has_gpu:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            return "transformers"
-        return "vllm"
+    if has_gpu:  # looked up, not imported: only the replicas' processes load vLLM
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
     return "transformers"
 
 

@@ -1,5 +1,5 @@
 """Ray placement of the samplers: ``count`` replicas per base model, each an actor holding the model once (a vLLM
-replica over ``vllm.tensor_parallel_size`` workers, its child processes, on the GPUs its actor reserves).
+replica over ``tensor_parallel_size`` workers, its child processes, on the GPUs its actor reserves).
 
 Routing prefers the replica that last served an adapter (it most likely still holds it, so nothing reloads), unless
 that replica is much busier than the least busy one; otherwise the least busy replica takes the request.
@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import ray
 
-from adapters.actors import ActorRestarting, ActorUnavailable, call_actor, ray_node, stream_actor
+from adapters.actors import ActorRestarting, ActorUnavailable, actor_proxy
+from adapters.boundary import actor_class, method_of
 from adapters.cpu_threads import sampler_environment
-from adapters.logs import configure_logging
 from adapters.models.resolve import BaseModelSpec
-from adapters.samplers.interface import AdapterRef, Restarting, SamplerBackend, SamplerFacts
-from adapters.samplers.vllm.options import VLLMOptions
+from adapters.samplers.interface import SAMPLER_REPLICA_CLASS, AdapterRef, SamplerFacts, SamplerReplica
+from adapters.samplers.options import SamplerOptions
 from adapters.samplers.vllm.parallel import backend_refusal
 from adapters.samplers.vllm.support import has_routed_experts, vllm_lora_refusal
 from shims.errors import ConfigurationRefused
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
+
+__all__ = ["SamplerOptions", "SamplerPool"]
 
 log = logging.getLogger("compat_server.sampler")
 
@@ -32,115 +33,13 @@ RESTART_WAIT_SECONDS = 600.0
 """How long a request waits for a sampler replica that Ray is restarting."""
 
 
-@dataclass(frozen=True)
-class SamplerPlacement:
-    """How many sampler replicas each base model gets, which backend, the Ray resources each asks for, and the
-    settings of the model it holds."""
-
-    count: int = 1
-    backend: str = "transformers"
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    threads: int | None = None
-    max_batch_sequences: int = 32
-    max_resident: int = 8
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    disable_any_whitespace: bool = False
-    """Constrained JSON without optional whitespace (``--disable-any-whitespace``)."""
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
-    resources: dict[str, float] | None = None
-
-
-class SamplerActor:
-    """The Ray actor around one backend. Its ``sample`` is a coroutine, so Ray runs the actor asynchronously and
-    concurrent requests reach the backend together (which is what lets it batch them)."""
-
-    def __init__(self, location: str, placement: SamplerPlacement) -> None:
-        configure_logging()
-        self.refused: ConfigurationRefused | None = None
-        self.threads: tuple[int, ...] = ()
-        try:
-            self.impl: SamplerBackend = make_backend(location, placement)
-        except ConfigurationRefused as exc:  # raised by ``facts``, the pool's first call, to reach it as itself
-            self.refused = exc
-
-    async def facts(self) -> SamplerFacts:
-        """What the replica serves, and the torch threads it computes with (read once, in its workers, the first
-        time: nothing changes them after)."""
-        if self.refused is not None:
-            raise self.refused
-        if not self.threads:
-            self.threads = tuple(await self.impl.torch_threads())
-        return replace(self.impl.facts(), torch_threads=self.threads)
-
-    def ready(self) -> None:
-        """Answers once this replica can serve; raises ``Restarting`` while it is about to be replaced."""
-        if self.impl.dead:
-            raise Restarting(f"its backend stopped ({self.impl.dead})")
-
-    async def stats(self) -> dict:
-        facts = await self.facts()  # also after Ray restarted this actor, its threads read again
-        return {**self.impl.stats(), "resident_limit": facts.max_resident,
-                "tensor_parallel_size": facts.tensor_parallel_size, "torch_threads": list(self.threads),
-                "node": ray_node(), "pid": os.getpid()}
-
-    async def sample(self, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
-        return await self.impl.sample(adapter, job)
-
-    async def stream(self, adapter: AdapterRef | None, job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
-        """The same request as ``sample``, yielding the tokens as they come (every token available at that moment,
-        as one list), then the ``SampleResult``."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-        task = loop.create_task(self.impl.sample(
-            adapter, job, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)))
-        # Scheduled when the request finishes, so after every token the generation thread announced before that.
-        task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, done))
-        try:
-            while True:
-                events = [await queue.get()]
-                while not queue.empty():
-                    events.append(queue.get_nowait())
-                finished = events[-1] is done
-                tokens = events[:-1] if finished else events
-                if tokens:
-                    yield tokens
-                if finished:
-                    break
-            yield task.result()
-        finally:
-            if not task.done():  # the consumer went away: stop sampling for it
-                task.cancel()
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error nobody waits for
-
-
-def make_backend(location: str, placement: SamplerPlacement) -> SamplerBackend:
-    """The backend ``placement`` names, holding the model at ``location`` (imported only when chosen: vLLM's
-    package is optional)."""
-    p = placement
-    if p.backend == "vllm":
-        from adapters.samplers.vllm.sampler import VLLMSampler
-
-        return VLLMSampler(location, max_resident=p.max_resident, dtype=p.dtype, max_model_len=p.max_model_len,
-                           options=p.vllm, on_engine_dead=_exit_soon, disable_any_whitespace=p.disable_any_whitespace)
-    from adapters.samplers.hf.sampler import TransformersSampler
-
-    return TransformersSampler(location, max_batch_sequences=p.max_batch_sequences, max_resident=p.max_resident,
-                               threads=p.threads, dtype=p.dtype, max_model_len=p.max_model_len,
-                               disable_any_whitespace=p.disable_any_whitespace)
-
-
-def _exit_soon(delay: float = 1.0) -> None:
-    """End this actor's process shortly (after the failing calls have answered) so that Ray, which restarts a crashed
-    sampler actor, starts a fresh replica: a vLLM engine that died does not come back inside its process."""
-    asyncio.get_running_loop().call_later(delay, os._exit, 1)
-
-
 @dataclass
 class _Replica:
     actor: ray.actor.ActorHandle
+    calls: SamplerReplica
+    """The actor, as its Protocol says."""
+    what: str
+    """How errors name it: ``sampler 0 for <base model>``."""
     in_flight: int = 0
 
 
@@ -154,34 +53,37 @@ class _BaseReplicas:
 class SamplerPool:
     """Starts and addresses the sampler replicas; the sampling service is its only caller."""
 
-    def __init__(self, models: list[BaseModelSpec], placement: SamplerPlacement) -> None:
+    def __init__(self, models: list[BaseModelSpec], options: SamplerOptions) -> None:
+        """``options``: its ``backend`` and ``gpus`` decided (``compat_server.services``)."""
         self.models = {m.name: m for m in models}
-        self.placement = placement
+        self.options = options
         self.bases: dict[str, _BaseReplicas] = {}
         self.facts: dict[str, SamplerFacts] = {}
         self.torch_threads: dict[str, list[int]] = {}
         """Per base model, the torch threads of every replica's workers as they started (the ready line)."""
         self._configs: dict[str, dict] = {}
         """``config.json`` of each base model, where its samplers are vLLM (``adapter_refusal``)."""
-        if refusal := backend_refusal(placement.backend, placement.vllm.tensor_parallel_size):
+        if refusal := backend_refusal(options.backend, options.tensor_parallel_size):
             raise ConfigurationRefused(refusal)  # before any actor (or trainer) is started
 
     async def start(self) -> None:
         """Create every replica and wait until each has loaded its base model."""
-        remote_cls = ray.remote(SamplerActor)
-        p = self.placement
+        remote_cls = ray.remote(actor_class(SamplerReplica, SAMPLER_REPLICA_CLASS, concurrent=True))
+        p = self.options
         for name, spec in self.models.items():
-            self.bases[name] = _BaseReplicas([
+            replicas = []
+            for index in range(p.count):
                 # A crashed replica is restarted by Ray (calls in flight fail, never re-run); it reloads adapters on
                 # demand, as after any eviction.
-                _Replica(remote_cls.options(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
-                                            max_restarts=-1, max_task_retries=0,
-                                            runtime_env={"env_vars": sampler_environment(p.backend)})
-                         .remote(spec.location, p))
-                for _ in range(p.count)])
+                actor = remote_cls.options(num_cpus=p.cpus, num_gpus=p.gpus or 0.0, resources=p.resources or None,
+                                           max_restarts=-1, max_task_retries=0,
+                                           runtime_env={"env_vars": sampler_environment(p.backend)}
+                                           ).remote(spec.location, p)
+                what = f"sampler {index} for {name}"
+                replicas.append(_Replica(actor, actor_proxy(actor, SamplerReplica, what), what))
+            self.bases[name] = _BaseReplicas(replicas)
         for name, base in self.bases.items():
-            facts = await asyncio.gather(*(call_actor(r.actor, "facts", f"sampler for {name}")
-                                           for r in base.replicas))
+            facts = await asyncio.gather(*(r.calls.facts() for r in base.replicas))
             self.facts[name] = facts[0]
             self.torch_threads[name] = [n for f in facts for n in f.torch_threads]
             parallel = f", tensor parallel {facts[0].tensor_parallel_size}" * (facts[0].tensor_parallel_size > 1)
@@ -213,7 +115,7 @@ class SamplerPool:
         if adapter is None:
             return least
         holder = base.affinity.get(adapter.key)
-        slack = self.placement.max_batch_sequences
+        slack = self.options.max_batch_sequences
         if holder is not None and base.replicas[holder].in_flight <= base.replicas[least].in_flight + slack:
             return holder
         base.affinity[adapter.key] = least
@@ -221,17 +123,15 @@ class SamplerPool:
 
     async def sample(self, base_model: str, adapter: AdapterRef | None, job: SampleJob) -> SampleResult:
         base = self.bases[base_model]
-        index = self._route(base, adapter)
-        replica = base.replicas[index]
-        what = f"sampler {index} for {base_model}"
+        replica = base.replicas[self._route(base, adapter)]
         replica.in_flight += job.num_samples
         try:
             deadline = asyncio.get_running_loop().time() + RESTART_WAIT_SECONDS
             while True:
                 try:
-                    return await call_actor(replica.actor, "sample", what, adapter, job)
+                    return await replica.calls.sample(adapter, job)
                 except ActorRestarting:
-                    await self._restarted(replica, what, deadline)
+                    await self._restarted(replica, deadline)
         finally:
             replica.in_flight -= job.num_samples
 
@@ -239,36 +139,34 @@ class SamplerPool:
                      job: SampleJob) -> AsyncIterator[list[TokenEvent] | SampleResult]:
         """Like ``sample``, yielding lists of tokens as they are sampled and then the result."""
         base = self.bases[base_model]
-        index = self._route(base, adapter)
-        replica = base.replicas[index]
-        what = f"sampler {index} for {base_model}"
+        replica = base.replicas[self._route(base, adapter)]
         replica.in_flight += job.num_samples
         try:
             deadline = asyncio.get_running_loop().time() + RESTART_WAIT_SECONDS
             while True:
                 started = False
                 try:
-                    async for item in stream_actor(replica.actor, "stream", what, adapter, job):
+                    async for item in replica.calls.stream(adapter, job):
                         started = True
                         yield item
                     return
                 except ActorRestarting:
                     if started:
                         raise
-                    await self._restarted(replica, what, deadline)
+                    await self._restarted(replica, deadline)
         finally:
             replica.in_flight -= job.num_samples
 
-    async def _restarted(self, replica: _Replica, what: str, deadline: float) -> None:
+    async def _restarted(self, replica: _Replica, deadline: float) -> None:
         """Wait while a replica is replaced (a vLLM engine takes from seconds to minutes to start): a request that
         arrives meanwhile runs once the replica is back, instead of failing. Past ``deadline`` it fails as a server
         error."""
-        log.warning("%s is restarting; a request waits for it", what)
+        log.warning("%s is restarting; a request waits for it", replica.what)
         while True:
             if asyncio.get_running_loop().time() > deadline:
-                raise ActorUnavailable(f"{what} did not come back within {RESTART_WAIT_SECONDS:.0f} s")
+                raise ActorUnavailable(f"{replica.what} did not come back within {RESTART_WAIT_SECONDS:.0f} s")
             try:
-                await call_actor(replica.actor, "ready", what)
+                await replica.calls.ready()
                 return
             except ActorRestarting:
                 await asyncio.sleep(1.0)
@@ -277,7 +175,7 @@ class SamplerPool:
         """Per base model, each replica's load and resident adapter count."""
         out = {}
         for name, base in self.bases.items():
-            stats = await asyncio.gather(*(call_actor(r.actor, "stats", f"sampler for {name}") for r in base.replicas))
+            stats = await asyncio.gather(*(r.calls.stats() for r in base.replicas))
             out[name] = [{"in_flight": r.in_flight, "resident_adapters": len(s["resident_adapters"]),
                           **{k: v for k, v in s.items() if k != "resident_adapters"}}
                          for r, s in zip(base.replicas, stats)]
@@ -286,7 +184,9 @@ class SamplerPool:
     def resident_counts(self, timeout: float = 5.0) -> dict[str, int]:
         """Adapters resident per base model, over all its replicas. Blocking: for a metrics reader's thread, never
         the event loop. A base whose replicas do not all answer within ``timeout`` (together) is left out."""
-        asked = {name: [r.actor.stats.remote() for r in base.replicas] for name, base in list(self.bases.items())}
+        stats = method_of(SamplerReplica, SamplerReplica.stats)  # submitted here, waited for by Ray: not a coroutine
+        asked = {name: [stats.submit(r.actor, (), {}) for r in base.replicas]
+                 for name, base in list(self.bases.items())}
         refs = [ref for refs in asked.values() for ref in refs]
         answered = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]) if refs else set()
         counts = {}

@@ -7,10 +7,11 @@ PEFT directories (``adapters.trainer.files``). This class is plain Python so it 
 ``adapters.trainer.group`` runs it as a Ray actor, or as N of them, each one shard of a trainer whose base model is
 split over N devices (``adapters.trainer.shards``): the same methods, called on every shard, rank 0 answering.
 
-Its public methods are the actor's interface (``compat_server.jobs.trainer_client`` calls them, one typed method
-each). The work is done by parts it holds: the model's passes (``.passes``), and, each knowing only those and the
-adapter table (``adapters.trainer.table``), the mixed-adapter forward pass (``.forward``), the checkpoint files
-(``.files``) and the optimizer steps (``.optim``).
+It implements ``adapters.trainer.interface.Trainer``, the Protocol the server calls it by (checked when its actor
+starts: ``adapters.boundary``); its other public methods are for in-process callers (tests, benchmarks). The work is
+done by parts it holds: the model's passes (``.passes``), and, each knowing only those and the adapter table
+(``adapters.trainer.table``), the mixed-adapter forward pass (``.forward``), the checkpoint files (``.files``) and the
+optimizer steps (``.optim``).
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ from adapters.trainer.interface import (
     LoraSpec,
     ModelFacts,
     OptimRequest,
+    ShardSpec,
+    StepOutcome,
     StepRequest,
     StepResult,
     read_lora_spec,
 )
 from adapters.trainer.optim import Optimizers
+from adapters.trainer.options import TrainerOptions
 from adapters.trainer.passes import ModelPasses
-from adapters.trainer.shards import Shards, ShardSpec, load_base, local_device, on_rank_zero, resident_bytes
+from adapters.trainer.shards import Shards, load_base, local_device, resident_bytes
 from adapters.trainer.table import AdapterTable
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -59,10 +63,11 @@ __all__ = ["LORA_ALPHA", "MAX_LORA_RANK", "AdamHyper", "DimuonHyper", "LoraSpec"
 class MultiLoRATrainer:
     """Holds one base model and the LoRA adapters of every training run on it."""
 
-    def __init__(self, location: str, threads: int | None = None, max_adapters: int = 64,
-                 recompute_tokens: int = 4096, shard: ShardSpec | None = None) -> None:
-        """``threads``: torch threads (None: this machine's usable CPUs, shared with this trainer's other shards
-        here; ``adapters.cpu_threads``). ``recompute_tokens``: training batches of at least this many tokens
+    def __init__(self, location: str, options: TrainerOptions = TrainerOptions(),  # noqa: B008 - frozen
+                 shard: ShardSpec | None = None) -> None:
+        """``options``: what this trainer computes with and holds: ``threads``, torch threads (None: this machine's
+        usable CPUs, shared with this trainer's other shards here; ``adapters.cpu_threads``); ``max_adapters``, the
+        runs it holds at once; ``activation_checkpointing_tokens``, training batches of at least this many tokens
         checkpoint each decoder layer (``adapters.trainer.recompute``; 0: never). ``shard``: this process's place in
         a sharded trainer (``adapters.trainer.shards``; None: the whole model here)."""
         from transformers import AutoConfig
@@ -72,7 +77,7 @@ class MultiLoRATrainer:
         config = AutoConfig.from_pretrained(location)
         text = text_settings(config)  # a vision-language checkpoint trains and serves as its text model
         self.shards = Shards(shard, self.device)
-        set_torch_threads(threads, self.shards.peers_here())
+        set_torch_threads(options.threads, self.shards.peers_here())
         base = load_base(location, dtype, self.shards)
         base.requires_grad_(False)
         self.model = LoRAModel(base)
@@ -84,9 +89,9 @@ class MultiLoRATrainer:
             shard=self.shards.rank, shards=self.shards.world, backend=self.shards.backend,
             base_bytes=resident_bytes(base), threads=torch.get_num_threads(),
         )
-        self.adapters = AdapterTable(self.model, self.device, max_adapters)
+        self.adapters = AdapterTable(self.model, self.device, options.max_adapters)
         """The training runs, by ``model_id``."""
-        self.passes = ModelPasses(self.model, text.vocab_size, self.shards, recompute_tokens)
+        self.passes = ModelPasses(self.model, text.vocab_size, self.shards, options.activation_checkpointing_tokens)
         self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
@@ -114,7 +119,7 @@ class MultiLoRATrainer:
             raise outcome
         return outcome
 
-    def run_batch(self, requests: list[StepRequest | OptimRequest]) -> list[StepResult | dict[str, float] | UserError]:
+    def run_batch(self, requests: list[StepRequest | OptimRequest]) -> list[StepOutcome]:
         """What the trainer pool sends: any runs' optim steps and forward / forward_backward requests, each run at
         most once, in one call (one Ray round trip). The optim steps go first: a run's next forward_backward cannot
         be in the same call as its optim step, so the order between runs changes nothing. Each request gets its own
@@ -164,18 +169,16 @@ class MultiLoRATrainer:
                 self.adapters.discard(probe)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
-    # Every shard holds the same adapters and optimizer state: rank 0 alone writes them (``on_rank_zero``).
-    @on_rank_zero
+    # Every shard holds the same adapters and optimizer state: rank 0 alone writes them (``on_rank_zero`` in
+    # ``Trainer``).
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
         self.files.save_for_sampler(model_id, directory)
 
-    @on_rank_zero
     def save_for_export(self, model_id: str, directory: str) -> None:
         """Write the adapter for download, named as hosted Tinker names it."""
         self.files.save_for_export(model_id, directory)
 
-    @on_rank_zero
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
         self.files.save_state(model_id, directory)

@@ -11,13 +11,11 @@ import torch
 
 from adapters.disk import writing
 from adapters.lora.files import (
-    ADAPTER_WEIGHTS,
-    OPTIMIZER_STATE,
-    TRAINER_STATE,
     AdapterNaming,
     read_adapter_file,
     whole_if_integer,
 )
+from adapters.lora.layout import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
 from adapters.trainer.interface import LoraSpec, read_lora_spec
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError

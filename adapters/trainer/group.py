@@ -1,9 +1,10 @@
 """One base model's trainer in the Ray cluster: N actors (``--trainer-shards N``; 1: the whole model in one actor),
 started together, called together and restarted together.
 
-Shards are a ``torch.distributed`` group (``adapters.trainer.shards``): every call goes to every shard, in the same
-order on each (all calls are submitted before any is awaited, and Ray runs one caller's calls to an actor in order),
-and rank 0's outcome is the answer. Shards of one group are placed by one Ray placement group, one bundle each, packed
+The group is called as one ``Trainer`` (``calls``: a proxy whose methods are the Protocol's). Shards are a
+``torch.distributed`` group (``adapters.trainer.shards``): every call goes to every shard, in the same order on each
+(all calls are submitted before any is awaited, and Ray runs one caller's calls to an actor in order), and rank 0's
+outcome is the answer. Shards of one group are placed by one Ray placement group, one bundle each, packed
 on as few nodes as hold them; rank 0 listens for the others on a port of its node.
 
 A group whose shard dies cannot go on: the others wait for it in a collective. So any shard's death (or shards that
@@ -24,10 +25,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from adapters.actors import ActorRestarting, ActorUnavailable, await_call
-from adapters.trainer.actor import ModelFacts, MultiLoRATrainer
-from adapters.trainer.placement import TrainerPlacement
-from adapters.trainer.shards import SEE_ALL_GPUS, ShardSpec
+from adapters.actors import ActorRestarting, ActorUnavailable, Around, actor_proxy, await_call, proxy
+from adapters.boundary import Method, actor_class, method_of
+from adapters.trainer.interface import SEE_ALL_GPUS, TRAINER_CLASS, ModelFacts, ShardSpec, Trainer
+from adapters.trainer.options import TrainerOptions
 from shims.errors import ConfigurationRefused
 
 log = logging.getLogger("compat_server.trainer")
@@ -56,14 +57,16 @@ def _rendezvous_address() -> str:
 class TrainerGroup:
     """The actors of one base model's trainer; ``TrainerPool`` holds one per base model."""
 
-    def __init__(self, name: str, location: str, placement: TrainerPlacement,
+    def __init__(self, name: str, location: str, options: TrainerOptions,
                  on_restart: Callable[[], Awaitable[None]] | None = None) -> None:
         self.name = name
         self.location = location
-        self.placement = placement
+        self.options = options
         self.on_restart = on_restart
         """Called once the group is back after a restart, empty (the pool reloads its runs)."""
         self.actors: list[ray.actor.ActorHandle] = []
+        self.shards: list[Trainer] = []
+        """Each shard alone (its questions while the group is idle: ``check``)."""
         self.facts: list[ModelFacts] = []
         """Every shard's facts, by rank (rank 0's answer for the trainer as a whole)."""
         self.restarts = 0
@@ -78,7 +81,7 @@ class TrainerGroup:
 
     @property
     def size(self) -> int:
-        return self.placement.shards
+        return self.options.shards
 
     @property
     def what(self) -> str:
@@ -92,26 +95,31 @@ class TrainerGroup:
         address = None
         if self.size > 1:
             address = await _rendezvous_address.options(scheduling_strategy=self._bundle(0)).remote()
-        remote_cls = ray.remote(MultiLoRATrainer)
+        remote_cls = ray.remote(actor_class(Trainer, TRAINER_CLASS, concurrent=False))
         self.actors = [remote_cls.options(**self._actor_options(rank)).remote(
-            self.location, self.placement.threads, self.placement.max_adapters, self.placement.recompute_tokens,
-            ShardSpec(rank, self.size, address) if address else None) for rank in range(self.size)]
+            self.location, self.options, ShardSpec(rank, self.size, address) if address else None)
+            for rank in range(self.size)]
+        self.shards = [actor_proxy(actor, Trainer, self.what, cancel=False) for actor in self.actors]
         self._pings = [None] * self.size
-        self.facts = await self._all(MultiLoRATrainer.model_facts.__name__, (), {}, starting=True)
+        self.facts = await self._all(method_of(Trainer, Trainer.model_facts), (), {}, starting=True)
+
+    def calls(self, around: Around | None = None) -> Trainer:
+        """The group as one trainer: each call on every shard (``call``), inside ``around`` if given."""
+        return proxy(Trainer, self.call, self.what, around)
 
     def open(self) -> None:
         """Let calls in (after ``start``, and after a restart once the runs are reloaded)."""
         self._open = True
 
     def _actor_options(self, rank: int) -> dict[str, Any]:
-        p = self.placement
+        p = self.options
         # Ray restarts nothing itself: a shard cannot rejoin its group alone (``_restart``).
         options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+        options |= {"num_cpus": p.cpus, "num_gpus": p.gpus or 0.0, "resources": p.resources or None}
         if self.size == 1:
-            return options | {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None}
-        options |= {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus, "resources": p.resources or None,
-                    "scheduling_strategy": self._bundle(rank)}
-        if p.num_gpus:  # each shard sees its node's GPUs, so that NCCL reaches its peers directly
+            return options
+        options["scheduling_strategy"] = self._bundle(rank)
+        if p.gpus:  # each shard sees its node's GPUs, so that NCCL reaches its peers directly
             options["runtime_env"] = {"env_vars": {SEE_ALL_GPUS: "1"}}
         return options
 
@@ -121,22 +129,22 @@ class TrainerGroup:
     async def _place(self):
         """One bundle per shard, packed on as few nodes as hold them; refused, naming what is missing, if the
         cluster cannot hold them within ``--placement-timeout`` seconds."""
-        bundle = self.placement.bundle()
+        bundle = self.options.bundle()
         group = placement_group([bundle] * self.size, strategy="PACK")
         try:
-            await asyncio.wait_for(group.ready(), self.placement.placement_timeout)
+            await asyncio.wait_for(group.ready(), self.options.placement_timeout)
         except TimeoutError:
             remove_placement_group(group)
             free = {name: ray.available_resources().get(name, 0.0) for name in bundle}
             raise ConfigurationRefused(
                 f"the Ray cluster cannot place the {self.size} trainer shards of {self.name} (--trainer-shards "
-                f"{self.size}), each needing {bundle}: it has {free} free after {self.placement.placement_timeout:g} s "
+                f"{self.size}), each needing {bundle}: it has {free} free after {self.options.placement_timeout:g} s "
                 "(--placement-timeout); add nodes or devices, or lower --trainer-shards, --trainer-cpus or "
                 "--trainer-gpus") from None
         return group
 
     # ---- calling ----------------------------------------------------------------------------------------------------
-    async def call(self, method: str, *args, **kwargs):
+    async def call(self, method: Method, args: tuple, kwargs: dict) -> Any:
         """``method`` on every shard (on rank 0 alone for a method marked ``on_rank_zero``); rank 0's result, or its
         error. A dead shard, or shards that disagree, restart the group and fail the call as a trainer that
         crashed."""
@@ -149,15 +157,15 @@ class TrainerGroup:
         return ActorUnavailable(f"{self.what} is not available: {why}; it restarts, and its training runs come back "
                                 "from their last checkpoints")
 
-    async def _all(self, method: str, args: tuple, kwargs: dict, starting: bool = False) -> list:
+    async def _all(self, method: Method, args: tuple, kwargs: dict, starting: bool = False) -> list:
         """``method`` on the shards (``call``). ``starting``: the group's first call, whose failure is the start's,
         for its caller to report (a shard that cannot load the model says why in its own error)."""
         group = actors = self.actors
         facts = self.facts  # of this group, whatever a restart does meanwhile
-        if len(actors) > 1 and getattr(getattr(MultiLoRATrainer, method, None), "on_rank_zero", False):
+        if len(actors) > 1 and method.rank_zero:
             actors = actors[:1]
-        refs = [getattr(actor, method).remote(*args, **kwargs) for actor in actors]  # submitted in one go: same order
-        tasks = [asyncio.ensure_future(await_call(ref, self.what, method, cancel=len(refs) == 1)) for ref in refs]
+        refs = [method.submit(actor, args, kwargs) for actor in actors]  # submitted in one go: the same order on each
+        tasks = [asyncio.ensure_future(await_call(ref, self.what, method.name, cancel=len(refs) == 1)) for ref in refs]
         for task in tasks:  # a caller that stops waiting leaves the shards' calls to finish, their errors read
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
@@ -174,9 +182,9 @@ class TrainerGroup:
             why = f"{self._process(dead, facts)} died"
         elif pending:
             failed = next(rank for rank, failure in enumerate(failures) if failure is not None)
-            why = f"{self._process(failed, facts)} failed {method} ({failures[failed]}) while the others went on"
+            why = f"{self._process(failed, facts)} failed {method.name} ({failures[failed]}) while the others went on"
         elif any(failures) and not all(type(f) is type(failures[0]) for f in failures):
-            why = f"its shards disagreed on {method}: " + "; ".join(
+            why = f"its shards disagreed on {method.name}: " + "; ".join(
                 f"shard {rank}: {failure or 'done'}" for rank, failure in enumerate(failures))
         else:
             if failures[0] is not None:
@@ -198,14 +206,14 @@ class TrainerGroup:
         idle restarts the group now rather than at its next call."""
         if not self._open:
             return
-        for rank, actor in enumerate(self.actors):
+        for rank, shard in enumerate(self.shards):
             if self._pings[rank] is None or self._pings[rank].done():
-                self._pings[rank] = asyncio.ensure_future(self._ping(rank, actor))
+                self._pings[rank] = asyncio.ensure_future(self._ping(rank, shard))
 
-    async def _ping(self, rank: int, actor) -> None:
+    async def _ping(self, rank: int, shard: Trainer) -> None:
         actors, facts = self.actors, self.facts
         try:
-            answer = await await_call(actor.model_facts.remote(), self.what, "model_facts", cancel=False)
+            answer = await shard.model_facts()
         except Exception as exc:  # noqa: BLE001 - a question unanswered, for whatever reason, is asked again
             if _died(exc):
                 self._fault(f"{self._process(rank, facts)} died", actors)
@@ -255,7 +263,7 @@ class TrainerGroup:
     def _kill(self) -> None:
         """Kill every process of the group. The group's list of actors is replaced first, so that the calls and
         questions this fails are seen to be the old group's (``_fault``), not a fault of the one that follows."""
-        old, self.actors = self.actors, []
+        old, self.actors, self.shards = self.actors, [], []
         for actor in old:
             ray.kill(actor, no_restart=True)
 

@@ -1,5 +1,7 @@
-"""What the trainer's callers exchange with it — LoRA layouts, optimizer parameters, requests, results — and the LoRA
-layout of a saved adapter. No torch here: the server process imports these without loading the model code."""
+"""The trainer as its callers know it: ``Trainer``, the Protocol of one base model's trainer, and what crosses it —
+LoRA layouts, optimizer parameters, requests, results — and the LoRA layout of a saved adapter. No torch here: the
+server process imports these without loading the model code, which only the trainer's actors import
+(``TRAINER_CLASS``, built there by ``adapters.boundary.actor_class``)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from adapters.lora.files import ADAPTER_CONFIG, TRAINER_STATE
+from adapters.boundary import on_rank_zero
+from adapters.lora.layout import ADAPTER_CONFIG, TRAINER_STATE
 from shims.custom_loss.graph import CustomLoss
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -153,6 +157,78 @@ class StepResult:
     metrics: dict[str, float]
     num_tokens: int
     seconds: float
+
+
+StepOutcome = StepResult | dict[str, float] | UserError
+"""What ``Trainer.run_batch`` answers for one request: a forward / forward_backward's result, an optim step's metrics,
+or the error that request alone met."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one shard of a sharded trainer sits in its group (``adapters.trainer.shards``)."""
+
+    rank: int
+    world: int
+    address: str
+    """``host:port`` where rank 0 listens for the others at start (``torch.distributed``'s TCP rendezvous)."""
+
+
+SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+"""Set on a shard's actor, Ray leaves ``CUDA_VISIBLE_DEVICES`` alone: the shard sees its node's GPUs
+(``adapters.trainer.shards.local_device``)."""
+
+
+class Trainer(Protocol):
+    """One base model's trainer, as the server calls it: one actor holding the whole model, or N shards answering as
+    one (``adapters.trainer.group``). ``MultiLoRATrainer`` implements it (its methods run one at a time, in order);
+    every call here is awaited, the trainer's own process doing the work. Forward / forward_backward and optim_step
+    requests of several runs reach it together, as one ``run_batch`` (``adapters.trainer.pool``)."""
+
+    async def model_facts(self) -> ModelFacts:
+        """Who the trainer (or shard) is, and what it holds and runs with now."""
+        ...
+
+    async def create(self, model_id: str, spec: LoraSpec) -> None:
+        """Add a run with a fresh adapter; a user error if the trainer holds ``--max-adapters`` runs already."""
+        ...
+
+    async def unload(self, model_id: str) -> None:
+        """Drop a run's adapter and optimizer state; the base model stays loaded for the others."""
+        ...
+
+    async def run_batch(self, requests: list[StepRequest | OptimRequest]) -> list[StepOutcome]:
+        """Any runs' optim steps and forward / forward_backward requests, each run at most once, in one call; each
+        request gets its own outcome."""
+        ...
+
+    @on_rank_zero
+    async def save_for_sampler(self, model_id: str, directory: str) -> None:
+        """Write a run's adapter as a PEFT directory samplers load."""
+        ...
+
+    @on_rank_zero
+    async def save_for_export(self, model_id: str, directory: str) -> None:
+        """Write a run's adapter for download, named as hosted Tinker names it."""
+        ...
+
+    @on_rank_zero
+    async def save_state(self, model_id: str, directory: str) -> None:
+        """Write a run's adapter, optimizer state and step into ``directory`` (a training checkpoint)."""
+        ...
+
+    async def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
+        """Replace (or create) a run's adapter with the checkpoint in ``directory``; returns the layout loaded."""
+        ...
+
+    async def score(self, directory: str | None, tokens: list[int]) -> list[float]:
+        """Logprobs of ``tokens[1:]`` under the base model plus the adapter saved in ``directory`` (None: the base
+        model alone); no run is touched."""
+        ...
+
+
+TRAINER_CLASS = "adapters.trainer.actor:MultiLoRATrainer"
+"""The class that implements ``Trainer``, imported only in the trainer's actors."""
 
 
 def read_lora_spec(directory: Path) -> LoraSpec:

@@ -27,7 +27,7 @@ collectives (``adapters.trainer.shards``)."""
 class ModelPasses:
     """One base model's passes, for ``MultiLoRATrainer`` (and its ``MixedForward``)."""
 
-    def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute_tokens: int = 0) -> None:
+    def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute_tokens: int) -> None:
         """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
         (``adapters.trainer.recompute``; 0: never). ``shards``: the trainer's group (a plain trainer's: world 1)."""
         self.model = model

@@ -6,22 +6,33 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Concatenate, ParamSpec, TypeVar
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 from adapters.batching import Coalescer
+from adapters.boundary import Method
 from adapters.models.resolve import BaseModelSpec
-from adapters.trainer.actor import ModelFacts, MultiLoRATrainer, StepRequest, StepResult
 from adapters.trainer.group import TrainerGroup
-from adapters.trainer.interface import AdamHyper, DimuonHyper, OptimRequest
-from adapters.trainer.placement import TrainerPlacement
+from adapters.trainer.interface import (
+    AdamHyper,
+    DimuonHyper,
+    ModelFacts,
+    OptimRequest,
+    StepOutcome,
+    StepRequest,
+    StepResult,
+    Trainer,
+)
+from adapters.trainer.options import TrainerOptions
 from shims.errors import UserError
 
-__all__ = ["TrainerPlacement", "TrainerPool"]
+__all__ = ["TrainerOptions", "TrainerPool"]
 
 log = logging.getLogger("compat_server.trainer")
 
-P = ParamSpec("P")
-R = TypeVar("R")
+Traced = Callable[[str, str | None], AbstractContextManager[Any]]
+"""What the server wraps each trainer operation in, given the operation and the run it works on (if any): its
+``trainer.<operation>`` tracing span."""
 
 
 def _tokens(request: StepRequest | OptimRequest) -> int:
@@ -38,11 +49,15 @@ class TrainerPool:
     load/save stay barriers for that run alone.
     """
 
-    def __init__(self, models: list[BaseModelSpec], placement: TrainerPlacement) -> None:
+    def __init__(self, models: list[BaseModelSpec], options: TrainerOptions, traced: Traced | None = None) -> None:
+        """``options``: its ``gpus`` decided (``compat_server.devices``)."""
         self.models = {m.name: m for m in models}
-        self.placement = placement
+        self.options = options
+        self.traced = traced or (lambda operation, model_id: nullcontext())
         self.groups: dict[str, TrainerGroup] = {}
-        self.batches: dict[str, Coalescer[StepRequest | OptimRequest, StepResult | dict[str, float]]] = {}
+        self.trainers: dict[str, Trainer] = {}
+        """Each base model's trainer as the services call it: every call traced."""
+        self.batches: dict[str, Coalescer[StepRequest | OptimRequest, StepOutcome]] = {}
         self.on_restart: Callable[[str], Awaitable[None]] | None = None
         """Called with the base model's name once its trainer came back from a crash, empty."""
         self.batch_counts: dict[str, dict[str, int]] = {}
@@ -57,7 +72,8 @@ class TrainerPool:
     async def start(self) -> None:
         """Create every trainer and wait until each has loaded its base model."""
         for name, spec in self.models.items():
-            self.groups[name] = TrainerGroup(name, spec.location, self.placement, self._restarted(name))
+            self.groups[name] = TrainerGroup(name, spec.location, self.options, self._restarted(name))
+            self.trainers[name] = self.groups[name].calls(self._around)
             self.batches[name] = Coalescer(self._runner(name), self._admit)
             self.batch_counts[name] = {"batches": 0, "requests": 0, "max_requests_per_batch": 0, "optim_steps": 0,
                                        "optim_calls": 0}
@@ -81,8 +97,13 @@ class TrainerPool:
                 await self.on_restart(base_model)
         return reload
 
+    def _around(self, method: Method, args: tuple, kwargs: dict) -> AbstractContextManager[Any]:
+        return self.traced(method.name, method.signature.bind(*args, **kwargs).arguments.get("model_id"))
+
     def _runner(self, base_model: str):
-        async def run(requests: list[StepRequest | OptimRequest]) -> list:
+        trainer = self.groups[base_model].calls()  # the batches' own calls: each request is traced as it is submitted
+
+        async def run(requests: list[StepRequest | OptimRequest]) -> list[StepOutcome]:
             counts = self.batch_counts[base_model]
             steps = sum(isinstance(r, StepRequest) for r in requests)
             counts["batches"] += steps > 0
@@ -90,38 +111,39 @@ class TrainerPool:
             counts["max_requests_per_batch"] = max(counts["max_requests_per_batch"], steps)
             counts["optim_steps"] += len(requests) - steps
             counts["optim_calls"] += len(requests) > steps
-            return await self.call(base_model, MultiLoRATrainer.run_batch, requests)
+            return await trainer.run_batch(requests)
         return run
 
     def _admit(self, pending: list[StepRequest | OptimRequest]) -> int:
         count, tokens = 0, 0
         for request in pending:
             tokens += _tokens(request)
-            if count and tokens > self.placement.max_batch_tokens:
+            if count and tokens > self.options.max_batch_tokens:
                 break
             count += 1
         return count
 
+    def trainer(self, base_model: str) -> Trainer:
+        """The base model's trainer (every shard of it), as its Protocol says, each call traced; a ``UserError``
+        raised there is re-raised here as itself. If the trainer died, the call fails as a server error and the
+        trainer restarts (``adapters.trainer.group``). Its forward / forward_backward and optim_step go through
+        ``forward_backward`` and ``optim_step`` instead, batched with other runs'."""
+        return self.trainers[base_model]
+
     async def forward_backward(self, base_model: str, request: StepRequest) -> StepResult:
         """Run one forward / forward_backward, batched with whatever other runs' requests are waiting."""
-        tokens = _tokens(request)
-        if tokens > self.placement.max_batch_tokens:
-            raise UserError(f"this request holds {tokens} input tokens, more than one batch may (--max-batch-tokens "
-                            f"{self.placement.max_batch_tokens}); send fewer or shorter datums per call")
-        return await self.batches[base_model].submit(request)  # type: ignore[return-value]
+        with self.traced("forward_backward", request.model_id):
+            tokens = _tokens(request)
+            if tokens > self.options.max_batch_tokens:
+                raise UserError(f"this request holds {tokens} input tokens, more than one batch may "
+                                f"(--max-batch-tokens {self.options.max_batch_tokens}); send fewer or shorter datums "
+                                "per call")
+            return await self.batches[base_model].submit(request)  # type: ignore[return-value]
 
     async def optim_step(self, base_model: str, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
         """Apply one run's accumulated gradient, together with whatever other runs' requests are waiting."""
-        return await self.batches[base_model].submit(OptimRequest(model_id, hyper))  # type: ignore[return-value]
-
-    async def call(self, base_model: str, method: Callable[Concatenate[MultiLoRATrainer, P], R], *args: P.args,
-                   **kwargs: P.kwargs) -> R:
-        """Run ``method`` (a ``MultiLoRATrainer`` method: ``MultiLoRATrainer.save_state``, not a name, so arguments
-        are type-checked and a renamed method fails where it is named) on the base model's trainer (every shard of
-        it); a ``UserError`` raised there is re-raised here as itself. If the trainer died, the call fails as a server
-        error and the trainer restarts (``adapters.trainer.group``). Callers other than this pool use
-        ``compat_server.jobs.trainer_client``."""
-        return await self.groups[base_model].call(method.__name__, *args, **kwargs)
+        with self.traced("optim_step", model_id):
+            return await self.batches[base_model].submit(OptimRequest(model_id, hyper))  # type: ignore[return-value]
 
     async def watch(self, every: float) -> None:
         """Check every ``every`` seconds that each trainer's processes are all still there (one that died while idle
@@ -135,3 +157,4 @@ class TrainerPool:
         for group in self.groups.values():
             group.stop()
         self.groups.clear()
+        self.trainers.clear()

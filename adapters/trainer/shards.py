@@ -27,7 +27,6 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
@@ -35,12 +34,11 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from adapters.trainer.interface import SEE_ALL_GPUS, ShardSpec
+
 log = logging.getLogger("compat_server.trainer")
 
 T = TypeVar("T")
-
-SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-"""Set on a shard's actor, Ray leaves ``CUDA_VISIBLE_DEVICES`` alone: the shard sees its node's GPUs (``local_device``)."""
 
 BUCKET_ELEMENTS = 1 << 23
 """Gradient elements summed over the shards in one collective (32 MiB in float32)."""
@@ -48,24 +46,6 @@ BUCKET_ELEMENTS = 1 << 23
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """How long a shard waits in one collective for the others. A shard that died is noticed by the pool long before
 (its process is gone); this only bounds a wait no process failure explains."""
-
-
-def on_rank_zero(method: Callable) -> Callable:
-    """Marks a trainer method only rank 0 of a sharded trainer runs (``adapters.trainer.group``): one that reads what
-    every shard holds alike and changes nothing, with no collective (writing a checkpoint). The others need not wait
-    for it, and its failure (a full disk) is that call's own, not a disagreement between the shards."""
-    method.on_rank_zero = True
-    return method
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where one shard sits in its group."""
-
-    rank: int
-    world: int
-    address: str
-    """``host:port`` where rank 0 listens for the others at start (``torch.distributed``'s TCP rendezvous)."""
 
 
 class Shards:

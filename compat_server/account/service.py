@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -14,6 +13,7 @@ from tinker import types
 
 from compat_server.access.auth import ANONYMOUS, owner_of
 from compat_server.access.tokens import TokenIssuer
+from compat_server.account.limits import SessionLimits
 from compat_server.records import Records
 from compat_server.records.account import AUDITED_RESOURCES
 from compat_server.runs.downloads import DownloadGrant, UrlSigner
@@ -24,18 +24,6 @@ MAX_TRACE_REQUESTS = 100_000
 """A trace holds at most this many requests (the oldest first)."""
 USAGE_WINDOW = timedelta(days=14)
 """The longest usage window one call may ask for, as the SDK documents."""
-
-
-@dataclass(frozen=True)
-class SessionLimits:
-    """What one session's fields may hold (``--max-session-field-chars``, ``--max-session-tags``,
-    ``--max-session-metadata-bytes``). Session search answers up to 200 sessions a page (the SDK's
-    ``SessionSearchRequest.limit``, checked as the request is decoded) with their display name, project and metadata,
-    so these bound every page; unbounded, one key's 8 MiB names made a page of hundreds of MiB."""
-
-    field_chars: int
-    tags: int
-    metadata_bytes: int
 
 
 def _utc(moment: datetime, name: str) -> datetime:

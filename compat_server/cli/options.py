@@ -1,18 +1,18 @@
-"""The options of ``compat-server serve``, made from ``ServerConfig``'s fields (their help, flags and checks are
-declared there, with ``compat_server.option.option``): their environment-variable defaults, and the ``ServerConfig``
-they make."""
+"""The options of ``compat-server serve``, made from ``ServerConfig``'s fields and the component options it nests
+(their help, flags and checks are declared there, with ``shims.option.option``): a group of flags per component,
+their environment-variable defaults, and the ``ServerConfig`` they make."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import types
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from compat_server.config import ServerConfig
-from compat_server.option import OPTION, option_flag
+from shims.option import NESTED, OPTION, option_default, option_flag
 
 
 def _resource(text: str) -> tuple[str, float]:
@@ -25,36 +25,58 @@ def _resource(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT, e.g. trainer_node=1; got {text!r}") from None
 
 
-_TYPES = get_type_hints(ServerConfig)
-
-
-def _value_type(option_field: Field[Any]) -> Any:
+@dataclass(frozen=True)
+class _Option:
+    path: str
+    """Where the value goes: ``max_body_mb``, ``trainer.cpus``; also its ``argparse`` dest."""
+    field: Field[Any]
+    value_type: Any
     """The field's type, unset (None) taken away: ``int`` for ``int | None``."""
-    hint = _TYPES[option_field.name]
-    if isinstance(hint, types.UnionType):
-        (hint,) = (arg for arg in get_args(hint) if arg is not type(None))
-    return hint
+    group: str | None
+    """The title of the component it belongs to (None: the server's own)."""
 
 
-def _argument(option_field: Field[Any]) -> dict[str, Any]:
-    """``add_argument``'s keywords for a field: a bool is a flag (the negation of a field that defaults to True), a
+def _options(cls: type, prefix: str = "", group: str | None = None) -> list[_Option]:
+    """Every option of ``cls`` and of the components it nests, in declaration order."""
+    hints = get_type_hints(cls)
+    found = []
+    for each in fields(cls):
+        hint = hints[each.name]
+        if NESTED in each.metadata:
+            found += _options(hint, f"{prefix}{each.name}.", each.metadata[NESTED])
+            continue
+        if isinstance(hint, types.UnionType):
+            (hint,) = (arg for arg in get_args(hint) if arg is not type(None))
+        found.append(_Option(prefix + each.name, each, hint, group))
+    return found
+
+
+OPTIONS = _options(ServerConfig)
+
+
+def _argument(option: _Option) -> dict[str, Any]:
+    """``add_argument``'s keywords for an option: a bool is a flag (the negation of a field that defaults to True), a
     list or dict a repeatable option (a dict's items NAME=AMOUNT), anything else a value of the field's type."""
-    spec = option_field.metadata[OPTION]
-    value_type = _value_type(option_field)
-    default = option_field.default if option_field.default_factory is MISSING else option_field.default_factory()
-    keywords: dict[str, Any] = {"dest": option_field.name, "help": spec.help}
-    if value_type is bool:
+    spec = option.field.metadata[OPTION]
+    default = option_default(option.field)
+    metavar = spec.metavar or (None if spec.choices else  # argparse shows the choices; else the flag, not the path
+                               option_flag(option.field).lstrip("-").upper().replace("-", "_"))
+    keywords: dict[str, Any] = {"dest": option.path, "help": spec.help}
+    if option.value_type is bool:
         return keywords | {"action": "store_false" if default else "store_true"}
-    if get_origin(value_type) in (list, dict):  # unset: None, and the field's default
-        repeated = {"type": _resource, "metavar": "NAME=AMOUNT"} if get_origin(value_type) is dict else {}
+    if get_origin(option.value_type) in (list, dict):  # unset: None, and the field's default
+        repeated = {"type": _resource, "metavar": "NAME=AMOUNT"} if get_origin(option.value_type) is dict else {}
         return keywords | {"action": "append", "metavar": spec.metavar} | repeated
-    keywords |= {"type": value_type, "default": default, "metavar": spec.metavar}
+    keywords |= {"type": option.value_type, "default": default, "metavar": metavar}
     return keywords | ({"choices": list(spec.choices)} if spec.choices is not None else {})
 
 
 def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    for option_field in fields(ServerConfig):
-        parser.add_argument(option_flag(option_field), **_argument(option_field))
+    groups: dict[str | None, Any] = {None: parser}
+    for option in OPTIONS:
+        if option.group not in groups:
+            groups[option.group] = parser.add_argument_group(option.group)
+        groups[option.group].add_argument(option_flag(option.field), **_argument(option))
     return defaults_from_environment(parser)
 
 
@@ -103,16 +125,30 @@ def defaults_from_environment(parser: argparse.ArgumentParser) -> argparse.Argum
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The config of parsed ``serve`` options: paths made absolute, a repeatable option not given left at the field's
-    default (``--base-model``'s is the built-in model), NAME=AMOUNT items made a dict."""
+    default (``--base-model``'s is the built-in model), NAME=AMOUNT items made a dict, each component's options made
+    its own dataclass."""
     values: dict[str, Any] = {}
-    for option_field in fields(ServerConfig):
-        value = getattr(args, option_field.name)
-        container = get_origin(_value_type(option_field))
+    for option in OPTIONS:
+        value = getattr(args, option.path)
+        container = get_origin(option.value_type)
         if container in (list, dict):
             if not value:
                 continue
             value = container(value)
         elif isinstance(value, Path):
             value = value.expanduser().resolve()
-        values[option_field.name] = value
-    return ServerConfig(**values)
+        values[option.path] = value
+    return _made(ServerConfig, values)
+
+
+def _made(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """``cls`` of the ``values`` given for its options and its components' (by path), the others left at their
+    defaults."""
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for each in fields(cls):
+        if NESTED in each.metadata:
+            kwargs[each.name] = _made(hints[each.name], values, f"{prefix}{each.name}.")
+        elif prefix + each.name in values:
+            kwargs[each.name] = values[prefix + each.name]
+    return cls(**kwargs)

@@ -22,6 +22,7 @@ from compat_server.records import Records
 from compat_server.sampling.service import SamplingService, Target
 from shims.openai.choice import ChoiceOutput
 from shims.openai.errors import OpenAIError
+from shims.openai.limits import OpenAILimits
 from shims.openai.out import (
     ChoiceOut,
     TokenLogprobs,
@@ -30,7 +31,7 @@ from shims.openai.out import (
     text_completion,
     usage,
 )
-from shims.openai.params import OpenAILimits, output_constraint, sampling_job
+from shims.openai.params import output_constraint, sampling_job
 from shims.openai.text import PromptLimit, Vocabulary, longest_token_chars
 from shims.openai.tool_calls import ToolMode, tool_definitions, tool_mode
 from shims.openai.wire import (
@@ -92,16 +93,14 @@ class Prepared:
 
 class CompletionsService:
     def __init__(self, sampling: SamplingService, records: Records, base_models: dict[str, BaseModelSpec],
-                 quota: KeyQuota, limits: OpenAILimits, workers: TokenWorkers,
-                 max_prompt_chars: int | None = None) -> None:
+                 quota: KeyQuota, limits: OpenAILimits, workers: TokenWorkers) -> None:
         self.sampling = sampling
         self.quota = quota
         self.records = records
         self.base_models = base_models
         self.limits = limits
+        """``max_prompt_chars`` None: each model's context × its longest token (``PromptLimit``)."""
         self.workers = workers
-        self.max_prompt_chars = max_prompt_chars
-        """``--max-prompt-chars``; None: each model's context × its longest token (``PromptLimit``)."""
         self.started = int(time.time())
         self._vocabs: dict[str, Vocabulary] = {}
 
@@ -119,8 +118,8 @@ class CompletionsService:
         # built-in model would send the hub library looking for it online first.
         tokenizer = AutoTokenizer.from_pretrained(self.base_models[base_model].location)
         max_context = self.sampling.limits[base_model].max_context
-        if self.max_prompt_chars is not None:
-            limit = PromptLimit(self.max_prompt_chars, max_context, "--max-prompt-chars")
+        if self.limits.max_prompt_chars is not None:
+            limit = PromptLimit(self.limits.max_prompt_chars, max_context, "--max-prompt-chars")
         else:
             limit = PromptLimit(max_context * longest_token_chars(tokenizer), max_context)
         vocab = Vocabulary(tokenizer, limit)

@@ -3,7 +3,8 @@
 The tinker SDK numbers each training client's requests 1, 2, 3, … and may deliver them out of order (a multi-chunk
 forward_backward sends its first chunk last). A model's lane holds later requests until the next expected one has
 arrived. If a number never arrives (a client died mid-submit), the lane moves on after ``gap_timeout`` seconds
-rather than stalling that model forever. Jobs reach the trainers through ``trainer_for`` (a typed ``TrainerClient``).
+rather than stalling that model forever. Jobs reach a base model's trainer through ``trainer_for`` (typed by
+``adapters.trainer.interface.Trainer``), its batched forward_backward and optim_step through ``trainers``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, StatusCode
 
+from adapters.trainer.interface import Trainer
 from adapters.trainer.pool import TrainerPool
 from compat_server.jobs.futures import FutureHub, Payload
-from compat_server.jobs.trainer_client import TrainerClient
 from compat_server.telemetry import ids, tracer
 from shims.errors import UserError
 
@@ -69,7 +70,6 @@ class Scheduler:
     def __init__(self, hub: FutureHub, trainers: TrainerPool, gap_timeout: float) -> None:
         self.hub = hub
         self.trainers = trainers
-        self._trainer_clients: dict[str, TrainerClient] = {}
         self.gap_timeout = gap_timeout
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -175,9 +175,6 @@ class Scheduler:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def trainer_for(self, base_model: str) -> TrainerClient:
-        """The base model's trainer, one typed method per operation, each call traced."""
-        client = self._trainer_clients.get(base_model)
-        if client is None:
-            client = self._trainer_clients[base_model] = TrainerClient(self.trainers, base_model)
-        return client
+    def trainer_for(self, base_model: str) -> Trainer:
+        """The base model's trainer, as its Protocol says, each call traced as ``trainer.<operation>``."""
+        return self.trainers.trainer(base_model)

@@ -61,7 +61,7 @@ class CheckpointStore:
     name gets a new ``uid`` and a new directory, so a handle opened on the old save (a sampling session, a signed
     download URL) can never reach the new files, whoever owns them."""
 
-    def __init__(self, root: Path, min_ttl_seconds: float = 3600) -> None:
+    def __init__(self, root: Path, min_ttl_seconds: float) -> None:
         self.root = root
         self.min_ttl_seconds = min_ttl_seconds
         root.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from tinker import types
@@ -25,6 +24,7 @@ from compat_server.jobs.scheduler import Scheduler
 from compat_server.records import Records
 from compat_server.runs.checkpoint_store import CheckpointStore
 from compat_server.sampling.ephemeral import EphemeralWeights
+from compat_server.sampling.options import SamplingOptions
 from compat_server.sampling.sessions import SamplingSessions
 from compat_server.sampling.stability import StabilityStore
 from compat_server.sampling.stats import SamplingMeter
@@ -37,18 +37,6 @@ from shims.tinker.sampling_wire import decode_sample_request, encode_sample_resp
 __all__ = ["ModelNotFound", "SamplingOptions", "SamplingService", "Target"]
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    max_num_samples: int = 128
-    max_logprobs_k: int = 64
-    drift_probe_every: int = 50
-    """Re-score one sampled sequence with the trainer every this many sample requests per base model (0: never)."""
-    ephemeral_keep: int = 8
-    """Unnamed sampler saves (snapshots and inflight versions) kept on disk per training model."""
-    stability_ttl_seconds: float = 86400.0
-    """How long recorded stability info stays usable after its last use (Tinker: one day)."""
-
-
 class SamplingService:
     """Tinker sampling calls for one server: sampling sessions (``sessions``), what a request samples (``weights``)
     and running sample jobs on the pool, counted in the metrics."""
@@ -59,7 +47,7 @@ class SamplingService:
         self.samplers = samplers
         self.base_models = base_models
         self.options = options
-        self.stability = StabilityStore(records, options.stability_ttl_seconds)
+        self.stability = StabilityStore(records, options.stability_ttl)
         self.limits = {
             name: SamplingLimits(vocab_size=facts.vocab_size, max_context=facts.max_context,
                                  max_num_samples=options.max_num_samples, max_logprobs_k=options.max_logprobs_k)

@@ -13,10 +13,9 @@ from pathlib import Path
 from tinker import types
 
 from adapters.disk import DiskFull
-from adapters.lora.files import read_saved_step
-from adapters.trainer.interface import LoraSpec, read_lora_spec
+from adapters.lora.layout import read_saved_step
+from adapters.trainer.interface import LoraSpec, Trainer, read_lora_spec
 from compat_server.jobs.futures import Payload
-from compat_server.jobs.trainer_client import TrainerClient
 from compat_server.runs.checkpoint_store import CheckpointStore, parse_path, tinker_path
 from compat_server.runs.encryption import encrypt_directory, parse_recipients
 from compat_server.sampling.service import SamplingService
@@ -206,7 +205,7 @@ class CheckpointCalls:
         return self.core.future(self.scheduler.submit(owner=owner, kind="load_weights", job=job,
                                                       idempotency_key=idem), model_id)
 
-    def _trainer(self, row: dict) -> TrainerClient:
+    def _trainer(self, row: dict) -> Trainer:
         return self.scheduler.trainer_for(row["base_model"])
 
     def _readable_checkpoint(self, owner: str, path: str) -> dict:

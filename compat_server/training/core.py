@@ -36,7 +36,7 @@ class TrainingCore:
     """The runs' lookups, ordering and limits that the training operations share."""
 
     def __init__(self, records: Records, scheduler: Scheduler, base_models: dict[str, BaseModelSpec],
-                 max_adapters_per_key: int | None = None) -> None:
+                 max_adapters_per_key: int | None) -> None:
         self.records = records
         self.scheduler = scheduler
         self.base_models = base_models

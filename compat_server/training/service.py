@@ -17,7 +17,7 @@ from tinker import types
 from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 
 from adapters.models.resolve import BaseModelSpec
-from adapters.trainer.interface import MAX_LORA_RANK, AdamHyper, DimuonHyper, LoraSpec, StepRequest
+from adapters.trainer.interface import AdamHyper, DimuonHyper, LoraSpec, StepRequest
 from compat_server.jobs.futures import PROTOBUF, Payload
 from compat_server.jobs.scheduler import Scheduler
 from compat_server.records import Records
@@ -64,7 +64,8 @@ class TrainingService:
 
     def __init__(self, records: Records, scheduler: Scheduler, checkpoints: CheckpointStore,
                  base_models: dict[str, BaseModelSpec], sampling: SamplingService,
-                 max_adapters_per_key: int | None = None, max_lora_rank: int = MAX_LORA_RANK) -> None:
+                 max_adapters_per_key: int | None, max_lora_rank: int) -> None:
+        """``max_lora_rank``: the vLLM samplers' (``--max-lora-rank``), at most the trainer's own ``MAX_LORA_RANK``."""
         self.core = TrainingCore(records, scheduler, base_models, max_adapters_per_key)
         self.checkpoint_calls = CheckpointCalls(self.core, checkpoints, sampling)
         self.records = records
@@ -182,7 +183,7 @@ class TrainingService:
                 if batch.loss_fn == "custom" else None
             data = self.sampling.stability.attach(owner, row["session_id"], batch.loss_fn, batch.data)
             config = batch.loss_fn_config if custom is None else {}
-            result = await self.scheduler.trainer_for(row["base_model"]).forward_backward(StepRequest(
+            result = await self.scheduler.trainers.forward_backward(row["base_model"], StepRequest(
                 batch.model_id, data, batch.loss_fn, config, batch.forward_only, custom_loss=custom))
             speed = result.num_tokens / max(result.seconds, 1e-9)
             TOKENS_TRAINED.add(result.num_tokens, {"base_model": row["base_model"], "kind": kind})
@@ -222,7 +223,7 @@ class TrainingService:
     def optim_step(self, owner: str, req: types.OptimStepRequest, idem: str | None) -> dict:
         async def job(row: dict) -> Payload:
             hyper = optimizer_hyper(req.optim_params)
-            metrics = await self.scheduler.trainer_for(row["base_model"]).optim_step(req.model_id, hyper)
+            metrics = await self.scheduler.trainers.optim_step(row["base_model"], req.model_id, hyper)
             self.core.last_step[req.model_id] = int(metrics["step"])
             log.info("optim_step done: %s step %d (lr %g, grad_norm %.4f)", req.model_id, int(metrics["step"]),
                      hyper.learning_rate, metrics["grad_norm"],

@@ -1,25 +1,40 @@
-"""How large a client's custom loss may be, apart from the graph compiler: the config reads these limits without
-importing torch."""
+"""How large a client's custom loss may be, apart from the graph compiler: the server options ``--custom-loss-max-*``,
+declared here once, each with its default, help and check (``shims.option``), which the CLI reads without importing
+torch. ``compat_server.config.ServerConfig`` holds them as ``custom_loss``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from shims.option import ABOVE_ZERO, at_least, option
 
 
 @dataclass(frozen=True)
 class CustomLossLimits:
     """How large a custom loss may be (``--custom-loss-max-*``)."""
 
-    max_nodes: int = 1000
+    max_nodes: int = option(1000, "most nodes in an uploaded custom loss graph (default: %(default)s)",
+                            flag="--custom-loss-max-nodes", check=at_least(1))
     """Nodes in the graph, placeholders and output included."""
-    max_nesting: int = 8
+    max_nesting: int = option(
+        8, flag="--custom-loss-max-nesting", check=at_least(1),
+        help="deepest nesting of lists, tuples and slices in a custom loss graph's arguments (default: %(default)s)")
     """Depth of an argument's lists, tuples, dicts and slices."""
-    max_constants: int = 4096
+    max_constants: int = option(
+        4096, flag="--custom-loss-max-constants", check=at_least(1),
+        help="most constants (numbers, strings) in a custom loss graph, and the longest tuple or list it may make "
+             "(default: %(default)s)")
     """Scalars, strings and references in all the graph's arguments together; also the longest tuple or list a step
     may make, and the most Python values an index may hold."""
-    max_elements: int = 2**26
+    max_elements: int = option(
+        2**26, flag="--custom-loss-max-elements", check=at_least(1),
+        help="most tensor elements a custom loss may compute for one datum, all its steps together (default: "
+             "%(default)s, 256 MiB of float32)")
     """Tensor elements one datum's loss may compute, all its steps together (2**26 float32 values: 256 MiB)."""
-    max_seconds: float = 10.0
+    max_seconds: float = option(
+        10.0, flag="--custom-loss-max-seconds", check=ABOVE_ZERO,
+        help="most seconds a custom loss may take for one datum, all its steps together; a loss that takes longer "
+             "fails its own request (default: %(default)s)")
     """Time one datum's loss may take, all its steps together; checked after each step (each step is bounded by
     ``max_elements``, so one step cannot run long)."""
 

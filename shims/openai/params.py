@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tinker import types
 
 from shims.errors import UserError
 from shims.openai.errors import OpenAIError
+from shims.openai.limits import OpenAILimits
 from shims.openai.tool_calls import ToolMode
 from shims.openai.wire import ChatRequest, CompletionRequest
 from shims.sampling.job import OutputConstraint, SampleJob, SamplingLimits
@@ -26,16 +27,6 @@ from shims.tinker.sampling_wire import decode_sample_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default ``max_tokens`` for ``/v1/completions``; a chat may use the rest of the context."""
-
-
-@dataclass(frozen=True)
-class OpenAILimits:
-    """Server options bounding OpenAI requests. The defaults are vLLM's: no cap on the number of stop strings, a
-    temperature of at most 2, and at most 20 logprobs per position (vLLM's ``--max-logprobs``)."""
-
-    max_stop: int | None = None
-    max_logprobs: int = 20
-    max_temperature: float | None = 2.0
 
 
 def _in_range(value: float | None, low: float, high: float | None, param: str) -> None:

@@ -26,8 +26,8 @@ class SamplingLimits:
 
     vocab_size: int
     max_context: int
-    max_num_samples: int = 128
-    max_logprobs_k: int = 64
+    max_num_samples: int
+    max_logprobs_k: int
 
 
 @dataclass(frozen=True)

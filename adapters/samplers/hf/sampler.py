@@ -24,6 +24,7 @@ from adapters.models.resolve import is_vision_language, resolve_dtype, text_sett
 from adapters.samplers.grammar import JsonGrammars, check_constraint
 from adapters.samplers.hf.decode import BatchDecoder, BatchRequest
 from adapters.samplers.interface import AdapterRef, OnToken, ResidentAdapters, SamplerBackend, SamplerFacts
+from adapters.samplers.options import SamplerOptions
 from shims.errors import UserError
 from shims.sampling.job import SampleJob, SampleResult
 
@@ -37,18 +38,16 @@ a request that would exceed it with others waits for a batch of its own."""
 class TransformersSampler(SamplerBackend):
     """One base model in transformers, sampled with any number of LoRA adapters (standard PEFT directories)."""
 
-    def __init__(self, location: str, max_batch_sequences: int = 32, max_resident: int = 8,
-                 threads: int | None = None, dtype: str = "auto", max_model_len: int | None = None,
-                 disable_any_whitespace: bool = False) -> None:
-        """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
-        completion (unset, or beyond it: the model's context). ``disable_any_whitespace``: constrained JSON without
-        optional whitespace, as vLLM's setting of that name."""
+    def __init__(self, location: str, options: SamplerOptions = SamplerOptions()) -> None:  # noqa: B008 - frozen
+        """``options``: the samplers' (``dtype`` ``auto``: the model's own on a GPU, float32 on CPU;
+        ``max_model_len``: the longest prompt + completion, unset or beyond it: the model's context;
+        ``disable_any_whitespace``: constrained JSON without optional whitespace, as vLLM's setting of that name)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        set_torch_threads(threads)  # None: this machine's usable CPUs (adapters.cpu_threads)
+        set_torch_threads(options.threads)  # None: this machine's usable CPUs (adapters.cpu_threads)
         self.location = location
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, resolve_dtype(dtype, self.device.type, location))
+        dtype = getattr(torch, resolve_dtype(options.dtype, self.device.type, location))
         self.tokenizer = AutoTokenizer.from_pretrained(location)
         self.base = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(self.device).eval()
         self.base.requires_grad_(False)
@@ -62,13 +61,13 @@ class TransformersSampler(SamplerBackend):
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._decoder = BatchDecoder(self._forward, self.device, self.pad_id, self.eos_ids, self.tokenizer.decode,
-                                     JsonGrammars(self.tokenizer, text.vocab_size, disable_any_whitespace))
+                                     JsonGrammars(self.tokenizer, text.vocab_size, options.disable_any_whitespace))
         self._facts = SamplerFacts(
             backend="transformers", vocab_size=text.vocab_size,
-            max_context=min(text.max_context, max_model_len or 1 << 62),
-            device=str(self.device), max_resident=max_resident, dtype=str(dtype).removeprefix("torch."))
-        self.max_batch_sequences = max_batch_sequences
-        self.adapters = ResidentAdapters(max_resident)
+            max_context=min(text.max_context, options.max_model_len or 1 << 62),
+            device=str(self.device), max_resident=options.max_resident, dtype=str(dtype).removeprefix("torch."))
+        self.max_batch_sequences = options.max_batch_sequences
+        self.adapters = ResidentAdapters(options.max_resident)
         self.dead: str | None = None
         """Never set: the transformers sampler has no separate engine that could die under it."""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-sampler")

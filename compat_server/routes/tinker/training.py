@@ -57,7 +57,7 @@ def unzstd(body: bytes, max_mb: int) -> bytes:
 def _decode(body: bytes, compressed: bool, services: Services) -> ForwardBackwardBatch:
     max_mb = services.config.max_body_mb
     limits = DatumLimits(max_context=max(facts.max_context for facts in services.trainers.facts.values()),
-                         max_columns=services.config.max_logprobs_k)
+                         max_columns=services.config.sampling.max_logprobs_k)
     return decode_forward_backward(unzstd(body, max_mb) if compressed else body, limits)
 
 
@@ -98,7 +98,7 @@ async def create_custom_loss(request: Request, owner: NamedDependency[str], serv
     if not config.custom_loss_server_side:
         raise UserError("this server runs custom losses client-side (--client-side-custom-losses): its client "
                         "config says custom_loss_server_side=false, so the SDK does not upload them")
-    limits = config.custom_loss_limits
+    limits = config.custom_loss
     body = await request.body()
     if len(body) > limits.encoded_bytes():
         raise UserError(f"this custom loss request is {len(body)} bytes; a graph within this server's limits "
