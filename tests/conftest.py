@@ -1,6 +1,6 @@
 """Shared fixtures: one built tiny model, and the real servers the whole run shares.
 
-The suite runs in parallel (pytest-xdist, ``-n auto --dist loadgroup`` in pyproject.toml): each test module runs in
+The suite runs in parallel (pytest-xdist, ``-n auto --dist loadfile`` in pyproject.toml): each test module runs in
 one worker, so a module's own server starts once, and the session servers (``transformers_server``, ``vllm_server``,
 ``keyed_server``) start once for the whole run, in the first worker that needs one, and serve every worker
 (``tests.server.shared_server``); the controller stops them when the run ends. The model cache and the servers'
@@ -10,6 +10,7 @@ registry are directories the controller makes before the workers start, so every
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -38,6 +39,13 @@ def pytest_configure(config) -> None:
         return
     os.environ.setdefault(REGISTRY_ENV, tempfile.mkdtemp(prefix="compat-server-test-servers-"))
     os.environ.setdefault("COMPAT_SERVER_TEST_CACHE", tempfile.mkdtemp(prefix="compat-server-test-cache-"))
+    signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _interrupted(signum, frame) -> None:
+    """A terminated run (``timeout``, CI's limit) ends as an interrupted one, so that ``pytest_unconfigure`` still
+    stops the shared servers, which run in sessions of their own and would outlive it."""
+    raise KeyboardInterrupt(f"terminated by signal {signum}")
 
 
 def pytest_unconfigure(config) -> None:
@@ -58,10 +66,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Each module runs in one worker (its module-scoped servers start once), and the slowest modules go first, so
-    that no worker is left with a long one at the end while the others idle."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    """The slowest modules go first, so that no worker is left with a long one at the end while the others idle
+    (``--dist loadfile`` hands the workers whole modules in this order)."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
 
