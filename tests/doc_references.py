@@ -51,6 +51,8 @@ ALLOWED = {
     ("bench/RESULTS.md", "adapters/lora/layers.py"),
     # The reader's own script, in the commands that point it at the server.
     ("*.md", "your_tinker_script.py"),
+    # A file that test writes into a temporary copy of the package, to show the check finds a copied default.
+    ("tests/test_option_owners.py", "adapters/copied.py"),
 }
 
 _START = r"(?<![\w.~$/\\@:*-])"  # a name starts a token: not inside a URL, a home or variable path, or a longer name

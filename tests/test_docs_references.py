@@ -50,7 +50,7 @@ def test_what_exists_or_is_not_ours_is_not_reported(repository):
     text = """
     `shims/custom_loss/graph.py`, adapters/trainer/, `.ci/run`, bench/RESULTS.md, tests/test_shims_*.py,
     `tests/test_options.py::test_the_help_tells_each_options_default[x]`, the tests. Then: a sentence ends in tests.
-    `adapters.trainer.shards`, `compat_server.option.option`, `python -m contract.generate --check`, shims.open*.
+    `adapters.trainer.shards`, `shims.option.option`, `python -m contract.generate --check`, shims.open*.
     https://github.com/org/project/blob/main/tests/gone.py, ~/.cache/compat-server/tests/gone, $OUT/bench/gone.json,
     tinker_cookbook/recipes/gone.py, torchtitan/models/gone/, DATA_DIR/checkpoints/<run>/sampler_weights/,
     tests/data/<name>/gone, the metric compat_server.futures.finished, the logger compat_server.sampler.

@@ -1,8 +1,9 @@
 """MkDocs hook: the options page's table, made at build time from the one declaration of the options.
 
-Every option of ``compat-server serve`` is a field of ``compat_server.config.ServerConfig`` declared with
-``option(...)``; ``compat_server.cli.options`` makes its flag, its environment variable and its ``--help`` from it. The
-table is made by those same functions, from the parser ``serve`` uses, so the page cannot drift from what the server
+Every option of ``compat-server serve`` is a field declared with ``option(...)``, of
+``compat_server.config.ServerConfig`` or of a component's options it nests (``nested(...)``: the trainer's, the
+samplers'…); ``compat_server.cli.options`` makes its flag, its environment variable and its ``--help`` from it. The
+tables are made by those same functions, from the parser ``serve`` uses, so the page cannot drift from what the server
 accepts: a new option, a changed default or a reworded help shows up at the next build. ``docs/options.md`` holds the
 placeholder it replaces."""
 
@@ -13,7 +14,7 @@ import os
 import re
 import sys
 from contextlib import contextmanager
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,8 @@ from mkdocs.exceptions import PluginError
 # The checkout that holds this mkdocs.yml, ahead of any installed copy: the page documents the code beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from compat_server.cli.options import ENV_PREFIX, environment_variable, serve_parser  # noqa: E402
-from compat_server.config import ServerConfig  # noqa: E402
-from compat_server.option import option_flag  # noqa: E402
+from compat_server.cli.options import ENV_PREFIX, OPTIONS, environment_variable, serve_parser  # noqa: E402
+from shims.option import option_default, option_flag  # noqa: E402
 
 # What the table replaces: the markers and, between them, what a reader of the unbuilt file sees instead.
 PLACEHOLDER = re.compile(r"<!-- options-table -->.*?<!-- /options-table -->", re.S)
@@ -37,20 +37,23 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
 
 
 def options_table() -> str:
-    """One row per option, in ``ServerConfig``'s order (which groups them by topic): the flag as ``--help`` writes it,
-    its environment variable, its default and its help, ``%(default)s`` expanded by argparse."""
+    """One table per group of options, in the order ``--help`` shows them (the server's own first, then each
+    component's): the flag as ``--help`` writes it, its environment variable, its default and its help,
+    ``%(default)s`` expanded by argparse."""
     with _environment_without_options():
         parser = serve_parser(argparse.ArgumentParser(prog="compat-server serve"))
     actions = {action.dest: action for action in parser._actions}
     formatter = parser._get_formatter()
-    rows = ["| Option | Environment variable | Default | What it sets |", "|---|---|---|---|"]
-    for option_field in fields(ServerConfig):
-        action = actions[option_field.name]
-        variable = environment_variable(option_flag(option_field))
+    tables: dict[str | None, list[str]] = {}
+    for option in OPTIONS:
+        action = actions[option.path]
+        variable = environment_variable(option_flag(option.field))
         text = formatter._expand_help(action).removesuffix(f" [env {variable}]")
         invocation = formatter._format_action_invocation(action)
-        rows.append(f"| `{invocation}` | `{variable}` | {_default(option_field)} | {_escape(_home(text))} |")
-    return "\n".join(rows)
+        rows = tables.setdefault(option.group, ["| Option | Environment variable | Default | What it sets |",
+                                                "|---|---|---|---|"])
+        rows.append(f"| `{invocation}` | `{variable}` | {_default(option.field)} | {_escape(_home(text))} |")
+    return "\n\n".join(f"### {group or 'The server'}\n\n" + "\n".join(rows) for group, rows in tables.items())
 
 
 @contextmanager
@@ -64,7 +67,7 @@ def _environment_without_options():
 
 
 def _default(option_field: Field[Any]) -> str:
-    value = option_field.default if option_field.default_factory is MISSING else option_field.default_factory()
+    value = option_default(option_field)
     if value is None:
         return "unset"
     if isinstance(value, bool):
