@@ -239,6 +239,25 @@ def test_a_logit_bias_of_minus_100_excludes_a_token_and_plus_100_forces_one():
         assert all(choose_token(logits, forced, g) == other for g in sequence_streams(forced, 0) for _ in range(50))
 
 
+@pytest.mark.parametrize("repetition", [5e-324, 1e-45, 1e-40, 1e-30, 1e30, 1e300, 1.7e308])
+def test_an_extreme_repetition_penalty_keeps_a_valid_distribution(repetition):
+    """Found by the fuzz run: a repetition penalty of 1e-40 divided a positive logit past float32's range (+inf, then
+    inf - inf = NaN), and one of 1e300 multiplied a logit of exactly 0 into NaN; the sampler raised (a 500). An
+    extreme penalty is as strong as float32 can hold: a vanishing one makes the positive prompt tokens the likeliest,
+    a huge one pushes the negative ones to the bottom."""
+    logits = torch.tensor([3.0, 0.0, -2.0, 1.0, 5.0, -1.0])
+    job = SampleJob(prompt=(0, 1, 2, 3), num_samples=4, seed=2, temperature=1.0, repetition_penalty=repetition)
+    out = penalized(logits, job, [])
+    assert not torch.isnan(out).any() and not torch.isposinf(out).any()
+    probs = filtered_probs(out, job.temperature, 0, 1.0)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
+    chosen = {choose_token(logits, job, g) for g in sequence_streams(job, 0)}
+    if repetition < 1:
+        assert chosen <= {0, 3}  # the prompt's positive logits, grown past every other
+    else:
+        assert 2 not in chosen and float(out[2]) < -1e29  # the prompt's negative logit, pushed down
+
+
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-6, 9.9e-6])
 def test_a_vanishing_temperature_samples_greedily_instead_of_dividing_into_nan(temperature):
     """Found by the fuzz run: temperature 1e-300 made the probabilities NaN and the sampler raised (a 500)."""

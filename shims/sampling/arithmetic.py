@@ -82,7 +82,12 @@ def penalized(logits: torch.Tensor, job: SampleJob, previous: Sequence[int],
         seen = torch.cat([prompt if prompt is not None else torch.tensor(job.prompt, device=device), sampled])
         seen = torch.unique(seen)
         values = out[seen]
-        out[seen] = torch.where(values > 0, values / job.repetition_penalty, values * job.repetition_penalty)
+        # As strong as float32 holds, never NaN: the penalty within float32's range (one of 1e300 is infinite there,
+        # and 0 × inf is NaN) and the result too (a logit divided by 1e-40 overflows, and inf - inf is NaN later).
+        finite = torch.finfo(out.dtype)
+        penalty = min(max(job.repetition_penalty, finite.tiny), finite.max)
+        penalized_values = torch.where(values > 0, values / penalty, values * penalty)
+        out[seen] = penalized_values.clamp(max=finite.max)
     if previous and (job.presence_penalty or job.frequency_penalty):
         ids, counts = torch.unique(sampled, return_counts=True)
         out[ids] -= job.frequency_penalty * counts.float() + job.presence_penalty
