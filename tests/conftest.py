@@ -1,7 +1,8 @@
 """Shared fixtures: one built tiny model, and the real servers the whole run shares.
 
-The suite runs in parallel (pytest-xdist, ``-n auto --dist loadfile`` in pyproject.toml): each test module runs in
-one worker, so a module's own server starts once, and the session servers (``transformers_server``, ``vllm_server``,
+The suite runs in parallel where the machine has the cores for it (pytest-xdist, ``-n auto --dist loadfile`` in
+pyproject.toml; ``pytest_xdist_auto_num_workers`` picks the workers, none on 2 cores): each test module runs in one
+worker, so a module's own server starts once, and the session servers (``transformers_server``, ``vllm_server``,
 ``keyed_server``) start once for the whole run, in the first worker that needs one, and serve every worker
 (``tests.server.shared_server``); the controller stops them when the run ends. The model cache and the servers'
 registry are directories the controller makes before the workers start, so every worker finds them.
@@ -28,9 +29,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REGISTRY_ENV = "COMPAT_SERVER_TEST_SERVERS"
 """The directory where the run's shared servers are recorded (``tests.server.shared_server``)."""
 
-WORKER_MEMORY_GIB = 3.0
-"""Memory one more worker costs at its peak here: its own test process (torch, the SDKs, reference models) and the
-servers its modules start (a server with its Ray processes holds 1–3 GiB)."""
+WORKER_MEMORY_GIB = 8.0
+"""Memory one worker may need at its peak: its own test process (torch, the SDKs, reference models) and the servers
+its modules start (a server with its Ray processes holds 1–3 GiB; the model-family modules host eight models at once)."""
+
+CORES_PER_WORKER = 4
+"""Cores one worker keeps busy: a server start is several processes importing torch, transformers and vLLM at once
+(the server, its trainer and sampler actors, vLLM's engine and worker, Ray's own), and a test drives a server that
+computes while the test process checks. Measured on 2 cores: one worker, 33 min; two, 53 min (every start slower)."""
 
 
 def pytest_configure(config) -> None:
@@ -58,11 +64,12 @@ def pytest_unconfigure(config) -> None:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``: one worker more than the machine has cores, since most of a worker's time is spent waiting on
-    servers (their start, their requests); fewer where memory would not hold them."""
+    """``-n auto``: one worker per ``CORES_PER_WORKER`` cores, fewer where memory would not hold them; 0 (no workers,
+    the run in this process) on a machine too small for two, such as CI's 2 cores."""
     cores = len(os.sched_getaffinity(0))
     memory = psutil.virtual_memory().total / 2**30
-    return max(1, min(cores + 1, int(memory // WORKER_MEMORY_GIB)))
+    workers = min(cores // CORES_PER_WORKER, int(memory // WORKER_MEMORY_GIB))
+    return workers if workers > 1 else 0
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -72,7 +79,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
 
 
-SLOW_FIRST: tuple[str, ...] = ()
+SLOW_FIRST: tuple[str, ...] = (
+    "test_reliability", "test_model_families", "test_fuzz", "test_sampling_sdk", "test_openai_sdk",
+    "test_sharded_trainer", "test_server_imports", "test_vllm_families", "test_ray_cluster",
+    "test_sampler_tensor_parallel", "test_telemetry", "test_openai_vllm_surface", "test_base_models",
+    "test_vl_checkpoint")
 """Modules that take the longest, longest first (measured from CI's per-module durations): the order only, which
 no test depends on."""
 
