@@ -103,5 +103,5 @@ async def get_server_capabilities(owner: NamedDependency[str], services: NamedDe
     ]}
 
 
-SERVICE_ROUTES = [client_config, client_dynamic_config, create_session, session_heartbeat, finish_session,
+SESSION_ROUTES = [client_config, client_dynamic_config, create_session, session_heartbeat, finish_session,
                   telemetry, healthz, get_server_capabilities]
