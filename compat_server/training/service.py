@@ -233,7 +233,7 @@ class TrainingService:
 
         return self.core.ordered(owner, "optim_step", req.model_id, req.seq_id, idem, job)
 
-    # ---- sessions -------------------------------------------------------------------------------------------------
+    # ---- ending sessions (here: it unloads their runs; the rest of a session is compat_server.sessions) -----------
     async def expire_sessions(self, timeout_seconds: float) -> int:
         """End sessions that stopped heartbeating ``timeout_seconds`` ago. Returns how many sessions ended."""
         cutoff = (datetime.now(UTC) - timedelta(seconds=timeout_seconds)).isoformat()

@@ -40,13 +40,13 @@ async def usage_events(owner: NamedDependency[str], services: NamedDependency[Se
 @post(f"{API}/sessions/search", status_code=200)
 async def search_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
                           data: Annotated[types.SessionSearchRequest, Body()]) -> types.SessionSearchResponse:
-    return services.account.search_sessions(owner, data)
+    return services.sessions.search(owner, data)
 
 
 @put(f"{API}/sessions/{{session_id:str}}/project", status_code=200)
 async def assign_session_project(session_id: FromPath[str], owner: NamedDependency[str],
                                  services: NamedDependency[Services], data: Annotated[dict[str, Any], Body()]) -> None:
-    services.account.assign_project(owner, session_id, data.get("project_id"))
+    services.sessions.assign_project(owner, session_id, data.get("project_id"))
 
 
 @get(f"{API}/sessions/{{session_id:str}}/trace_export")

@@ -115,13 +115,13 @@ async def copy_weights(owner: NamedDependency[str], services: NamedDependency[Se
 @get(f"{API}/sessions")
 async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
                         limit: Limit = 20, offset: Offset = 0) -> types.ListSessionsResponse:
-    return services.runs.list_sessions(owner, limit, offset)
+    return services.sessions.list_page(owner, limit, offset)
 
 
 @get(f"{API}/sessions/{{session_id:str}}")
 async def get_session(session_id: FromPath[str], owner: NamedDependency[str],
                       services: NamedDependency[Services]) -> types.GetSessionResponse:
-    return services.runs.get_session(owner, session_id)
+    return services.sessions.get(owner, session_id)
 
 
 RUNS_ROUTES = [list_training_runs, get_training_run, list_checkpoints, list_user_checkpoints, delete_checkpoint,

@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 from litestar import get, post
 from litestar.di import NamedDependency
-from litestar.exceptions import ClientException
 from litestar.params import Body, FromPath
 from tinker import types
 
@@ -40,7 +39,7 @@ async def client_dynamic_config(owner: NamedDependency[str]) -> types.ClientDyna
 async def create_session(owner: NamedDependency[str], services: NamedDependency[Services],
                          data: Annotated[types.CreateSessionRequest, Body()]) -> types.CreateSessionResponse:
     """Its display name, project, tags and metadata are checked against the session limits (``--max-session-…``)."""
-    session_id = services.account.create_session(owner, data)
+    session_id = services.sessions.create(owner, data)
     log.info("session created: %s (sdk %s)", session_id, data.sdk_version)
     return types.CreateSessionResponse(session_id=session_id)
 
@@ -48,14 +47,9 @@ async def create_session(owner: NamedDependency[str], services: NamedDependency[
 @post(f"{API}/session_heartbeat", status_code=200)
 async def session_heartbeat(owner: NamedDependency[str], services: NamedDependency[Services],
                             data: Annotated[types.SessionHeartbeatRequest, Body()]) -> types.SessionHeartbeatResponse:
-    """An unknown session answers 410 Gone, which stops the SDK's heartbeat loop instead of retrying forever."""
-    row = services.records.runs.session(data.session_id, owner)
-    if row is None:
-        raise ClientException(f"unknown session_id {data.session_id!r}", status_code=410)
-    if row["finish_reason"] == "expired":
-        raise ClientException(f"session {data.session_id} expired after missing heartbeats; start a new one",
-                              status_code=410)
-    services.records.runs.heartbeat(data.session_id)
+    """An unknown or expired session answers 410 Gone, which stops the SDK's heartbeat loop instead of retrying
+    forever."""
+    services.sessions.heartbeat(owner, data.session_id)
     return types.SessionHeartbeatResponse(type="session_heartbeat")
 
 
