@@ -1,15 +1,18 @@
-"""Client bootstrap and session routes: config, sessions, heartbeats, telemetry, health and capabilities."""
+"""Client bootstrap and session routes: config; a session's creation, heartbeats and end; listing, getting and searching
+a key's sessions and moving one to a project; telemetry, health and capabilities. HTTP only: the work is in
+``compat_server.sessions`` (ending a session, in the training service)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Annotated, Any
 
-from litestar import get, post
+from litestar import get, post, put
 from litestar.di import NamedDependency
 from litestar.params import Body, FromPath
 from tinker import types
 
+from compat_server.routes.tinker.runs import Limit, Offset
 from compat_server.services import Services
 from shims.errors import UserError
 
@@ -71,6 +74,30 @@ async def finish_session(session_id: FromPath[str], owner: NamedDependency[str],
     return {}
 
 
+@get(f"{API}/sessions")
+async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
+                        limit: Limit = 20, offset: Offset = 0) -> types.ListSessionsResponse:
+    return services.sessions.list_page(owner, limit, offset)
+
+
+@get(f"{API}/sessions/{{session_id:str}}")
+async def get_session(session_id: FromPath[str], owner: NamedDependency[str],
+                      services: NamedDependency[Services]) -> types.GetSessionResponse:
+    return services.sessions.get(owner, session_id)
+
+
+@post(f"{API}/sessions/search", status_code=200)
+async def search_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
+                          data: Annotated[types.SessionSearchRequest, Body()]) -> types.SessionSearchResponse:
+    return services.sessions.search(owner, data)
+
+
+@put(f"{API}/sessions/{{session_id:str}}/project", status_code=200)
+async def assign_session_project(session_id: FromPath[str], owner: NamedDependency[str],
+                                 services: NamedDependency[Services], data: Annotated[dict[str, Any], Body()]) -> None:
+    services.sessions.assign_project(owner, session_id, data.get("project_id"))
+
+
 @post(f"{API}/telemetry", status_code=200)
 async def telemetry(owner: NamedDependency[str], services: NamedDependency[Services],
                     data: Annotated[types.TelemetrySendRequest, Body()]) -> types.TelemetryResponse:
@@ -98,4 +125,5 @@ async def get_server_capabilities(owner: NamedDependency[str], services: NamedDe
 
 
 SESSION_ROUTES = [client_config, client_dynamic_config, create_session, session_heartbeat, finish_session,
-                  telemetry, healthz, get_server_capabilities]
+                  list_sessions, get_session, search_sessions, assign_session_project, telemetry, healthz,
+                  get_server_capabilities]
