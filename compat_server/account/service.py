@@ -90,7 +90,7 @@ class AccountService:
 
     def trace_url(self, owner: str, session_id: str, base_url: str) -> str:
         """A signed URL of the session's trace, like checkpoint download URLs (no API key needed until it expires)."""
-        if self.records.runs.session(session_id, owner) is None:
+        if self.records.sessions.session(session_id, owner) is None:
             raise NotFound(f"session {session_id!r} not found")
         self.records.account.audit(owner, "session_trace_export", session_id=session_id)
         _, query = self.signer.sign(self._trace_grant(session_id, owner), "trace.json")
@@ -99,7 +99,7 @@ class AccountService:
     def trace(self, session_id: str, grantee: str, expires: int, signature: str) -> dict:
         """The session's requests as a Chrome/Perfetto JSON trace: one complete slice per request, one track per
         training run or sampling client. Re-checked at download: the URL's key must still own the session."""
-        owner = self.records.account.session_owner(session_id)
+        owner = self.records.sessions.session_owner(session_id)
         if owner is None or self.signer.grantee(owner) != grantee or not self.signer.valid(
                 self._trace_grant(session_id, owner), "trace.json", expires, signature):
             raise NotFound("this trace URL is invalid or has expired; export the trace again")

@@ -177,7 +177,7 @@ class RunsService:
         if req.session_id is not None:
             if req.model_seq_id is None:
                 raise UserError("copy_weights with a session_id needs model_seq_id too")
-            if self.records.runs.session(req.session_id, owner) is None:
+            if self.records.sessions.session(req.session_id, owner) is None:
                 raise NotFound(f"session {req.session_id!r} not found")
             run_id = model_id_for(req.session_id, req.model_seq_id)
             if self.records.runs.model(run_id, owner) is not None:

@@ -11,5 +11,6 @@ Elsewhere, for a reason:
   session's training runs from the trainers and drops its custom losses, state that service holds.
 - A session's trace export (a signed URL of its requests) is ``AccountService.trace_url`` / ``trace`` in
   ``compat_server.account.service``, signed like the key's other downloads.
-- The session tables are read and written through ``compat_server.records``, the only code that touches SQLite.
+- The session tables' accessors are ``records.sessions`` (``compat_server/records/sessions.py``), with the rest of
+  the code that touches SQLite.
 """

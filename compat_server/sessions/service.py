@@ -58,7 +58,7 @@ class SessionService:
             raise UserError(f"user_metadata is {size} bytes of JSON, over the {self.limits.metadata_bytes} a "
                             "session's may have (--max-session-metadata-bytes)")
         session_id = str(uuid.uuid4())
-        self.records.runs.create_session(session_id, owner, tags=req.tags, user_metadata=metadata,
+        self.records.sessions.create_session(session_id, owner, tags=req.tags, user_metadata=metadata,
                                          sdk_version=req.sdk_version, project_id=req.project_id,
                                          display_name=req.display_name)
         return session_id
@@ -69,7 +69,7 @@ class SessionService:
                             "session's names, tags and versions may have (--max-session-field-chars)")
 
     def _session(self, owner: str, session_id: str) -> dict:
-        row = self.records.runs.session(session_id, owner)
+        row = self.records.sessions.session(session_id, owner)
         if row is None:
             raise NotFound(f"session {session_id!r} not found")
         return row
@@ -77,31 +77,31 @@ class SessionService:
     def heartbeat(self, owner: str, session_id: str) -> None:
         """Keep a live session from expiring. An unknown or expired one is 410 Gone, which stops the SDK's
         heartbeat loop instead of retrying forever."""
-        row = self.records.runs.session(session_id, owner)
+        row = self.records.sessions.session(session_id, owner)
         if row is None:
             raise ClientException(f"unknown session_id {session_id!r}", status_code=410)
         if row["finish_reason"] == "expired":
             raise ClientException(f"session {session_id} expired after missing heartbeats; start a new one",
                                   status_code=410)
-        self.records.runs.heartbeat(session_id)
+        self.records.sessions.heartbeat(session_id)
 
     def get(self, owner: str, session_id: str) -> types.GetSessionResponse:
         row = self._session(owner, session_id)
-        runs, samplers = self.records.runs.session_children(session_id)
+        runs, samplers = self.records.sessions.session_children(session_id)
         return types.GetSessionResponse(training_run_ids=runs, sampler_ids=samplers,
                                         user_metadata=string_metadata(row["user_metadata"]) or None)
 
     def list_page(self, owner: str, limit: int, offset: int) -> types.ListSessionsResponse:
         """One page of the key's session ids, oldest first."""
         limit, offset = checked_page(limit, offset)
-        return types.ListSessionsResponse(sessions=self.records.runs.sessions_page(owner, limit, offset))
+        return types.ListSessionsResponse(sessions=self.records.sessions.sessions_page(owner, limit, offset))
 
     def assign_project(self, owner: str, session_id: str, project_id: Any) -> None:
         if not isinstance(project_id, str) or not project_id:
             raise UserError("assigning a project needs {\"project_id\": \"…\"}")
         self._check_field("project_id", project_id)
         self._session(owner, session_id)
-        self.records.account.set_session_project(session_id, project_id)
+        self.records.sessions.set_session_project(session_id, project_id)
         self.records.account.audit(owner, "project_session_assign", session_id=session_id, project_id=project_id)
 
     def search(self, owner: str, req: types.SessionSearchRequest) -> types.SessionSearchResponse:
@@ -114,7 +114,7 @@ class SessionService:
         words = (req.display_name or "").lower().split()
         found: list[dict] = []
         while len(found) < req.limit + 1:
-            rows = self.records.account.search_sessions(owner, before=before, limit=500)
+            rows = self.records.sessions.search_sessions(owner, before=before, limit=500)
             if not rows:
                 break
             for row in rows:
@@ -140,7 +140,7 @@ class SessionService:
         return _status_matches(_session_status(row), req.statuses)
 
     def _summary(self, row: dict) -> types.SessionSummary:
-        count, size = self.records.account.session_storage(row["id"])
+        count, size = self.records.sessions.session_storage(row["id"])
         return types.SessionSummary(
             session_id=row["id"], created_at=row["created"], owner=f"key:{row['owner'][:16]}",
             project_id=row["project_id"] or "default", status=_session_status(row), checkpoints_count=count,

@@ -61,7 +61,7 @@ async def finish_session(session_id: FromPath[str], owner: NamedDependency[str],
                          data: Annotated[dict[str, Any], Body()]) -> dict:
     """Closing a session records why (success / errored / interrupted; the first reason given wins) and ends it:
     its training runs leave the trainer (the SDK rejects further operations on a closed session anyway)."""
-    row = services.records.runs.session(session_id, owner)
+    row = services.records.sessions.session(session_id, owner)
     if row is None:
         raise UserError(f"unknown session_id {session_id!r}")
     reason = data.get("reason")
@@ -102,7 +102,7 @@ async def assign_session_project(session_id: FromPath[str], owner: NamedDependen
 async def telemetry(owner: NamedDependency[str], services: NamedDependency[Services],
                     data: Annotated[types.TelemetrySendRequest, Body()]) -> types.TelemetryResponse:
     """SDK telemetry is accepted and counted, not stored: it holds nothing the operator needs."""
-    services.records.runs.count_telemetry(owner, data.session_id, len(data.events))
+    services.records.sessions.count_telemetry(owner, data.session_id, len(data.events))
     return types.TelemetryResponse(status="accepted")
 
 
