@@ -203,13 +203,13 @@ def trainer_phase(directory: Path, data: list[DatumArrays], args, adapter: dict)
     trainer = MultiLoRATrainer(str(directory))
     trainer.create("bench", LoraSpec(rank=args.rank, seed=0))
     model, name = trainer.model, trainer.adapters["bench"].name
-    slots = [slot.key for module in model.modules.values() if name in module.adapters
-             for slot in module.adapters.slots]
+    slots = [slot.key for module in model.modules.values() if name in module.lora
+             for slot in module.lora.slots]
     missing = sorted(set(slots) ^ set(adapter))
     if missing:
         raise SystemExit(f"the trainer adapts other weights than this benchmark expects, e.g. {missing[:3]}")
-    by_key = {slot.key: pair for module in model.modules.values() if name in module.adapters
-              for slot, pair in zip(module.adapters.slots, module.adapters.pairs[name], strict=True)}
+    by_key = {slot.key: pair for module in model.modules.values() if name in module.lora
+              for slot, pair in zip(module.lora.slots, module.lora.pairs[name], strict=True)}
     with torch.no_grad():
         for key, (a, b) in adapter.items():
             by_key[key][0].copy_(a)

@@ -16,8 +16,8 @@ from adapters.models.tiny import TINY_MODEL_NAME
 from adapters.samplers.options import SamplerOptions
 from adapters.samplers.vllm.parallel import gpus_per_replica_problem
 from adapters.trainer.options import TrainerOptions
-from compat_server.account.limits import SessionLimits
 from compat_server.sampling.options import SamplingOptions
+from compat_server.sessions.limits import SessionLimits
 from shims.custom_loss.limits import CustomLossLimits
 from shims.openai.limits import OpenAILimits
 from shims.option import ABOVE_ZERO, OPTION, at_least, nested, option, option_fields, option_flag, option_value

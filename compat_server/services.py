@@ -31,6 +31,7 @@ from compat_server.runs.checkpoint_store import CheckpointStore
 from compat_server.runs.downloads import UrlSigner
 from compat_server.runs.service import RunsService
 from compat_server.sampling.service import SamplingService
+from compat_server.sessions.service import SessionService
 from compat_server.telemetry import observe, trainer_span
 from compat_server.training.service import TrainingService
 from shims.errors import ConfigurationRefused
@@ -53,6 +54,7 @@ class Services:
     sampling: SamplingService
     completions: CompletionsService
     runs: RunsService
+    sessions: SessionService
     account: AccountService
     tokens: TokenIssuer
     base_models: dict[str, BaseModelSpec]
@@ -162,7 +164,8 @@ async def start_services(config: ServerConfig) -> Services:
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models, quota, config.openai,
                                                    TokenWorkers(config.tokenizer_threads)),
-                    runs=runs, account=AccountService(records, signer, config.sessions),
+                    runs=runs, sessions=SessionService(records, config.sessions),
+                    account=AccountService(records, signer),
                     base_models=base_models,
                     tokens=TokenIssuer(config.url_key_path.read_bytes(), config.token_ttl))
     loop = asyncio.get_running_loop()

@@ -20,7 +20,7 @@ def layer() -> LoRALinear:
     torch.manual_seed(0)
     linear = LoRALinear(nn.Linear(IN, OUT, bias=True), Router(), [Slot("w", "attn", IN, OUT)], [(0, OUT)])
     for name, rank, scale in (("a", 2, 0.5), ("b", 8, 2.0), ("c", 4, 1.0)):
-        linear.adapters.put(name, [pair(rank)], scale, torch.device("cpu"), trainable=False)
+        linear.lora.put(name, [pair(rank)], scale, torch.device("cpu"), trainable=False)
     return linear
 
 
@@ -33,9 +33,9 @@ def reference(linear: LoRALinear, x: torch.Tensor, names: list[str | None]) -> t
     rows = []
     for row, name in zip(x, names, strict=True):
         y = row @ linear.base.weight.T + linear.base.bias
-        if name in linear.adapters:
-            (a, b), = linear.adapters.pairs[name]
-            y = y + linear.adapters.scaling[name] * (row @ a.T) @ b.T
+        if name in linear.lora:
+            (a, b), = linear.lora.pairs[name]
+            y = y + linear.lora.scaling[name] * (row @ a.T) @ b.T
         rows.append(y)
     return torch.stack(rows)
 
@@ -72,9 +72,9 @@ def test_kept_weights_follow_updates_and_replaced_adapters():
     x = torch.randn(len(NAMES), 2, IN)
     with torch.no_grad():
         run(linear, x, NAMES)
-        linear.adapters.pairs["b"][0][1].add_(1.0)  # an optimizer step, in place
+        linear.lora.pairs["b"][0][1].add_(1.0)  # an optimizer step, in place
         torch.testing.assert_close(run(linear, x, NAMES), reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
-        linear.adapters.put("c", [pair(3)], 4.0, torch.device("cpu"), False)
+        linear.lora.put("c", [pair(3)], 4.0, torch.device("cpu"), False)
         torch.testing.assert_close(run(linear, x, NAMES), reference(linear, x, NAMES), atol=1e-5, rtol=1e-5)
 
 
@@ -102,7 +102,7 @@ def test_adapters_that_train_take_the_per_group_path_even_without_gradients():
     """A trainer's forward-only pass: its adapters may have been stepped in place by a fused optimizer since, which
     torch's version counter does not see, so nothing of them is kept."""
     linear = layer()
-    for pair in linear.adapters.pairs.values():
+    for pair in linear.lora.pairs.values():
         for tensor in pair[0]:
             tensor.requires_grad_(True)
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_with_gradients_the_per_group_path_runs_and_agrees():
 
 def test_ranks_too_wide_side_by_side_take_the_per_group_path():
     linear = layer()
-    linear.adapters.put("b", [pair(16)], 1.0, torch.device("cpu"), False)
+    linear.lora.put("b", [pair(16)], 1.0, torch.device("cpu"), False)
     with torch.no_grad():
         per_group(linear, torch.randn(len(NAMES), 2, IN))  # 6 groups × rank 16 × 4 > 192
 
@@ -129,7 +129,7 @@ def test_an_adapter_with_non_finite_weights_reaches_only_its_own_rows():
     """Side by side, every row would meet its NaN (0 · NaN is NaN): it takes the per-group path, and the other
     adapters' rows are exact."""
     linear = layer()
-    linear.adapters.pairs["c"][0][1][0, 0] = float("nan")
+    linear.lora.pairs["c"][0][1][0, 0] = float("nan")
     x = torch.randn(len(NAMES), 2, IN)
     with torch.no_grad():
         got = run(linear, x, NAMES)
@@ -143,7 +143,7 @@ def test_an_adapter_that_overflows_on_other_rows_leaves_them_exact():
     """Finite weights so large that x·Aᵀ overflows: on the rows of other adapters that block is dropped, not
     multiplied by 0 (which would make it NaN)."""
     linear = layer()
-    linear.adapters.pairs["a"][0][0].fill_(3e38)
+    linear.lora.pairs["a"][0][0].fill_(3e38)
     x = torch.randn(len(NAMES), 2, IN)
     with torch.no_grad():
         got = run(linear, x, NAMES)

@@ -195,7 +195,7 @@ def test_a_projection_trained_as_parts_is_stored_fused_and_read_back_exactly(nam
 
 def _part_rows(total: int, trainer: MultiLoRATrainer, key: str) -> list[int]:
     path = key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
-    rows = [slot.out_features for slot in trainer.model.modules[path].adapters.slots]
+    rows = [slot.out_features for slot in trainer.model.modules[path].lora.slots]
     assert sum(rows) == total
     return rows
 

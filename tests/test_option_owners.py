@@ -112,7 +112,8 @@ def _parameters_fed_from_config(module_name: str, tree: ast.Module) -> list[str]
 
 
 @pytest.mark.parametrize("module_name", ["compat_server.services", "compat_server.app", "compat_server.cli.main",
-                                         "compat_server.routes.tinker.training", "compat_server.routes.tinker.service"])
+                                         "compat_server.routes.tinker.training",
+                                         "compat_server.routes.tinker.sessions"])
 def test_what_the_server_passes_on_from_its_config_has_no_default_where_it_is_taken(module_name):
     path = ROOT / (module_name.replace(".", "/") + ".py")
     assert _parameters_fed_from_config(module_name, ast.parse(path.read_text())) == []

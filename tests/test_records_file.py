@@ -44,7 +44,7 @@ def test_a_damaged_records_file_is_refused_at_start_with_how_to_recover(tmp_path
     path = tmp_path / "data" / "records.sqlite3"
     records = Records(path)
     for i in range(300):  # a few dozen pages
-        records.runs.create_session(f"session-{i}", "owner", tags=["t" * 50], user_metadata={"k": "v" * 100},
+        records.sessions.create_session(f"session-{i}", "owner", tags=["t" * 50], user_metadata={"k": "v" * 100},
                                     sdk_version="0", project_id=None)
     records.file.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     records.file.db.conn.close()

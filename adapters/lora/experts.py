@@ -62,10 +62,10 @@ class LoRAExperts(nn.Module):
         slots = [Slot(f"{path}.{name}", "mlp", int(in_first), int(hidden), experts)
                  for name in (("gate_proj", "up_proj") if base.has_gate else ("up_proj",))]
         slots.append(Slot(f"{path}.down_proj", "mlp", int(in_down), int(out_down), experts))
-        self.adapters = Pairs(slots)
+        self.lora = Pairs(slots)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        routing = self.router.active(self.adapters.scaling)
+        routing = self.router.active(self.lora.scaling)
         if routing is None:
             return self.run(hidden, top_k_index, top_k_weights, None)
         per_row = hidden.shape[0] // routing.rows  # tokens of each batch row, flattened row by row
@@ -73,7 +73,7 @@ class LoRAExperts(nn.Module):
         for name, lo, hi in routing.groups:
             rows = slice(lo * per_row, hi * per_row)
             parts.append(self.run(hidden[rows], top_k_index[rows], top_k_weights[rows],
-                                  name if name in self.adapters else None))
+                                  name if name in self.lora else None))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def run(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -85,10 +85,10 @@ class LoRAExperts(nn.Module):
         tokens, top_k = top_k_index.shape
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
         x = hidden[order // top_k]
-        counts = torch.bincount(expert_ids, minlength=self.adapters.slots[0].experts)
+        counts = torch.bincount(expert_ids, minlength=self.lora.slots[0].experts)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        scale = self.adapters.scaling[name] if name is not None else 0.0
-        pairs = [(a.to(x.dtype), b.to(x.dtype)) for a, b in self.adapters.pairs[name]] if name is not None else []
+        scale = self.lora.scaling[name] if name is not None else 0.0
+        pairs = [(a.to(x.dtype), b.to(x.dtype)) for a, b in self.lora.pairs[name]] if name is not None else []
 
         def lora(inputs: torch.Tensor, index: int) -> torch.Tensor | float:
             if not pairs:

@@ -60,9 +60,9 @@ class Slot:
 
 
 class Pairs:
-    """The adapters of one LoRA module: per adapter name, one (A, B) per slot and the scale, as float32 parameters on
-    the module's device. Plain dictionaries, not registered submodules: the owners (trainer, sampler) hold the
-    parameter lists they train or read."""
+    """The LoRA weights on one module (its ``lora``): per adapter name, one (A, B) per slot and the scale, as float32
+    parameters on the module's device. Plain dictionaries, not registered submodules (so not in its state dict): the
+    owners (trainer, sampler) hold the parameter lists they train or read."""
 
     def __init__(self, slots: list[Slot]) -> None:
         self.slots = slots
@@ -94,7 +94,7 @@ class LoRALinear(nn.Module):
             raise ValueError(f"LoRA slots must cover the output rows in order, got {rows}")
         self.base = base
         self.router = router
-        self.adapters = Pairs(slots)
+        self.lora = Pairs(slots)
         self._dense_cache = _DenseCache()
 
     @property
@@ -130,9 +130,9 @@ class LoRALinear(nn.Module):
         stay the same, whichever rows they cover), or None where the dense path does not apply: adapters that
         train (an optimizer may change them in place without a version torch can see: fused AdamW), weights that
         are not finite, several slots, a long call, or ranks side by side too wide."""
-        if len(self.adapters.slots) != 1 or x.numel() > self.DENSE_MAX_TOKENS * x.shape[-1]:
+        if len(self.lora.slots) != 1 or x.numel() > self.DENSE_MAX_TOKENS * x.shape[-1]:
             return None
-        pairs = [self.adapters.pairs.get(name) if name is not None else None for name, _, _ in routing.groups]
+        pairs = [self.lora.pairs.get(name) if name is not None else None for name, _, _ in routing.groups]
         held = [pair[0] for pair in pairs if pair]
         rank = max((a.shape[0] for a, _ in held), default=0)
         base = self.base
@@ -140,7 +140,7 @@ class LoRALinear(nn.Module):
                 or len(pairs) * rank * self.DENSE_SHARE > min(base.in_features, base.out_features)):
             return None
         names = tuple(name for name, _, _ in routing.groups)
-        key = (names, x.device, x.dtype, tuple((id(a), a._version, id(b), b._version, self.adapters.scaling[n])
+        key = (names, x.device, x.dtype, tuple((id(a), a._version, id(b), b._version, self.lora.scaling[n])
                                                for n, p in zip(names, pairs, strict=True) if p for a, b in p))
         kept = self._dense_cache.entry
         if kept is not None and kept.key == key:
@@ -155,7 +155,7 @@ class LoRALinear(nn.Module):
         for i, (name, pair) in enumerate(zip(names, pairs, strict=True)):
             if pair:
                 (pa, pb), = pair
-                a[i * rank:i * rank + pa.shape[0]] = pa * self.adapters.scaling[name]
+                a[i * rank:i * rank + pa.shape[0]] = pa * self.lora.scaling[name]
                 b[:, i * rank:i * rank + pa.shape[0]] = pb
         self._dense_cache.entry = _Dense(key, a, b, rank)
         return self._dense_cache.entry
@@ -173,9 +173,9 @@ class LoRALinear(nn.Module):
 
     def _low_rank(self, x: torch.Tensor, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per slot: ``scale · x·Aᵀ`` (the scale on the rank-r side, the narrow one) and the B it goes through."""
-        scale = self.adapters.scaling[name]
+        scale = self.lora.scaling[name]
         out = []
-        for a, b in self.adapters.pairs[name]:
+        for a, b in self.lora.pairs[name]:
             if a.dtype != x.dtype:
                 a, b = a.to(x.dtype), b.to(x.dtype)
             out.append((nn.functional.linear(x, a) * scale, b))
@@ -185,11 +185,11 @@ class LoRALinear(nn.Module):
         """The layer's output for ``x`` through adapter ``name`` (or the base), independent of the routing — for
         recomputation in backward, after the forward's routing is gone."""
         y = self.base(x)
-        return self.plus_delta(y, x, name) if name is not None and name in self.adapters else y
+        return self.plus_delta(y, x, name) if name is not None and name in self.lora else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        routing = self.router.active(self.adapters.scaling)
+        routing = self.router.active(self.lora.scaling)
         if routing is None:
             return y
         if len(routing.groups) == 1:
@@ -200,7 +200,7 @@ class LoRALinear(nn.Module):
         # then its tokens.
         per_row = x.shape[0] // routing.rows
         parts = [self.plus_delta(y[lo * per_row:hi * per_row], x[lo * per_row:hi * per_row], name)
-                 if name in self.adapters else y[lo * per_row:hi * per_row] for name, lo, hi in routing.groups]
+                 if name in self.lora else y[lo * per_row:hi * per_row] for name, lo, hi in routing.groups]
         return torch.cat(parts)
 
 
@@ -229,15 +229,15 @@ def with_tied_input_side(embeds: torch.Tensor, ids: torch.Tensor, head: LoRALine
     """Input embeddings of a tied model (one matrix embeds and unembeds), with each row's unembedding LoRA applied
     to that shared matrix on the input side too: row ``t`` of scale·B·A is scale·B[t]·A, from the same parameters the
     head uses (so training gives the one matrix one gradient). Rows go by the routing the head's router holds."""
-    routing = head.router.active(head.adapters.scaling)
+    routing = head.router.active(head.lora.scaling)
     if routing is None:
         return embeds
     parts = []
     for name, lo, hi in routing.groups:
         part = embeds[lo:hi]
-        if name in head.adapters:
-            (a, b), = head.adapters.pairs[name]
+        if name in head.lora:
+            (a, b), = head.lora.pairs[name]
             rows = nn.functional.embedding(ids[lo:hi], b)
-            part = part + (rows @ a).to(part.dtype) * head.adapters.scaling[name]
+            part = part + (rows @ a).to(part.dtype) * head.lora.scaling[name]
         parts.append(part)
     return torch.cat(parts)

@@ -34,19 +34,19 @@ class LoRAModel:
         self.tied = self.head.weight is base.get_input_embeddings().weight
         """One matrix embeds tokens and unembeds them: an unembedding LoRA then acts on both sides."""
         self.slots: dict[str, Slot] = {slot.key: slot for module in self.modules.values()
-                                       for slot in module.adapters.slots}
+                                       for slot in module.lora.slots}
 
     @property
     def head_key(self) -> str:
         """The output head's slot key (``lm_head``)."""
-        return self.head.adapters.slots[0].key
+        return self.head.lora.slots[0].key
 
     def naming(self, vision_language: bool = False) -> AdapterNaming:
         """How this model's adapters are named in files (``adapters.lora.files``), by the class of the model loaded
         (the same in the trainer and the sampler, a vision-language checkpoint's text model included) and, stored,
         whether the checkpoint is a vision-language one (``adapters.models.resolve.is_vision_language``)."""
-        fused = {path: [slot.key for slot in module.adapters.slots] for path, module in self.modules.items()
-                 if len(module.adapters.slots) > 1 and not isinstance(module, LoRAExperts)}
+        fused = {path: [slot.key for slot in module.lora.slots] for path, module in self.modules.items()
+                 if len(module.lora.slots) > 1 and not isinstance(module, LoRAExperts)}
         return AdapterNaming(self.slots, self.head_key, type(self.base).__name__, self.tied, fused,
                              LANGUAGE_MODEL if vision_language else None)
 
@@ -68,9 +68,9 @@ class LoRAModel:
         global generator in the model's order (the caller seeds it)."""
         chosen = set(groups)
         for module in self.modules.values():
-            slots = module.adapters.slots  # one module's slots share its group (adapters.lora.targets)
+            slots = module.lora.slots  # one module's slots share its group (adapters.lora.targets)
             if slots[0].group in chosen:
-                module.adapters.put(name, [slot.initial(rank) for slot in slots], scaling, self.device, True)
+                module.lora.put(name, [slot.initial(rank) for slot in slots], scaling, self.device, True)
 
     def put(self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
             trainable: bool = False) -> None:
@@ -87,36 +87,36 @@ class LoRAModel:
         rank = ranks.pop()
         chosen: list[tuple[LoRALinear | LoRAExperts, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         for module in self.modules.values():
-            present = [slot.key for slot in module.adapters.slots if slot.key in tensors]
+            present = [slot.key for slot in module.lora.slots if slot.key in tensors]
             if not present:
                 continue
-            if len(present) != len(module.adapters.slots):
-                missing = next(slot.key for slot in module.adapters.slots if slot.key not in tensors)
+            if len(present) != len(module.lora.slots):
+                missing = next(slot.key for slot in module.lora.slots if slot.key not in tensors)
                 raise UserError(f"the adapter has {present[0]} but not {missing}, which is adapted with it")
-            for slot in module.adapters.slots:
+            for slot in module.lora.slots:
                 a, b = tensors[slot.key]
                 want = slot.shapes(rank)
                 if tuple(a.shape) != want[0] or tuple(b.shape) != want[1]:
                     raise UserError(f"adapter tensor {slot.key} has shapes {list(a.shape)}, {list(b.shape)}; this "
                                     f"model needs {list(want[0])}, {list(want[1])}")
-            chosen.append((module, [tensors[slot.key] for slot in module.adapters.slots]))
+            chosen.append((module, [tensors[slot.key] for slot in module.lora.slots]))
         for module, pairs in chosen:
-            module.adapters.put(name, pairs, scaling, self.device, trainable)
+            module.lora.put(name, pairs, scaling, self.device, trainable)
 
     def remove(self, name: str) -> None:
         for module in self.modules.values():
-            module.adapters.remove(name)
+            module.lora.remove(name)
 
     def params(self, name: str) -> list[nn.Parameter]:
         """A and B of every slot ``name`` has, in the model's order (the order optimizer state is saved in)."""
-        return [p for module in self.modules.values() if name in module.adapters
-                for pair in module.adapters.pairs[name] for p in pair]
+        return [p for module in self.modules.values() if name in module.lora
+                for pair in module.lora.pairs[name] for p in pair]
 
     def tensors(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``name``'s pairs by slot key, detached, on the CPU."""
         return {slot.key: (a.detach().cpu(), b.detach().cpu()) for module in self.modules.values()
-                if name in module.adapters
-                for slot, (a, b) in zip(module.adapters.slots, module.adapters.pairs[name], strict=True)}
+                if name in module.lora
+                for slot, (a, b) in zip(module.lora.slots, module.lora.pairs[name], strict=True)}
 
     def slot_groups(self, keys: Iterable[str]) -> set[str]:
         """The weight groups the slots ``keys`` belong to."""

@@ -24,7 +24,7 @@ async def dashboard(records: Records, sampling: SamplingService, owner: str) -> 
     return {
         "sessions": [{"id": s["id"], "created": s["created"], "last_heartbeat": s["last_heartbeat"],
                       "finished": s["finished"], "finish_reason": s["finish_reason"]}
-                     for s in records.runs.recent_sessions(owner, RECENT)],
+                     for s in records.sessions.recent_sessions(owner, RECENT)],
         "training_runs": [{
             "id": run["id"], "base_model": run["base_model"], "lora_rank": run["lora_rank"], "status": run["status"],
             "created": run["created"], "rolled_back": run["rolled_back"],

@@ -1,23 +1,19 @@
 """The account side of the SDK's ``RestClient`` / ``AdminClient`` for one key: its audit log, checkpoint storage,
-hourly usage, session search and projects, the timeline of a session as a Perfetto-loadable trace, and the key's own
-record (``tinker auth login`` / ``logout``). Everything is scoped to the calling key."""
+hourly usage, the timeline of a session as a Perfetto-loadable trace, and the key's own record (``tinker auth login``
+/ ``logout``). Everything is scoped to the calling key. Session search and projects are in
+``compat_server.sessions``."""
 
 from __future__ import annotations
 
-import json
-import uuid
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
 
 from tinker import types
 
 from compat_server.access.auth import ANONYMOUS, owner_of
 from compat_server.access.tokens import TokenIssuer
-from compat_server.account.limits import SessionLimits
 from compat_server.records import Records
 from compat_server.records.account import AUDITED_RESOURCES
 from compat_server.runs.downloads import DownloadGrant, UrlSigner
-from compat_server.runs.service import string_metadata
 from shims.errors import NotFound, UserError
 
 MAX_TRACE_REQUESTS = 100_000
@@ -26,7 +22,7 @@ USAGE_WINDOW = timedelta(days=14)
 """The longest usage window one call may ask for, as the SDK documents."""
 
 
-def _utc(moment: datetime, name: str) -> datetime:
+def as_utc(moment: datetime, name: str) -> datetime:
     """``moment`` in UTC (a naive one is taken as UTC). Python's datetimes hold the years 1 to 9999 only, so
     ``0001-01-01T00:00:00+01:00`` has no UTC form: a user error naming the field, not an ``OverflowError``."""
     if moment.tzinfo is None:
@@ -38,30 +34,10 @@ def _utc(moment: datetime, name: str) -> datetime:
                         "9999") from None
 
 
-def _session_status(row: dict) -> Any:
-    if not row["finished"]:
-        return types.SessionActive()
-    reason = row["finish_reason"]
-    if reason in ("success", "errored", "interrupted"):
-        return types.ClientSessionFinished(reason={"type": reason})
-    return types.SessionCancelled(detail=f"ended by the server: {reason}")
-
-
-def _status_matches(status: Any, queries: list[Any] | None) -> bool:
-    if queries is None:
-        return True
-    for query in queries:
-        if query.type == status.type and (query.type != "client_finished" or query.reasons is None
-                                          or status.reason.type in query.reasons):
-            return True
-    return False
-
-
 class AccountService:
-    def __init__(self, records: Records, signer: UrlSigner, limits: SessionLimits) -> None:
+    def __init__(self, records: Records, signer: UrlSigner) -> None:
         self.records = records
         self.signer = signer
-        self.limits = limits
 
     # ---- audit, storage, usage ---------------------------------------------------------------------------------------
     def audit_log(self, owner: str, event_type: str, day: date | None) -> types.AuditLogResponse:
@@ -90,7 +66,7 @@ class AccountService:
     def usage_events(self, owner: str, request: types.GetBillingUsageRequest) -> types.BillingUsageResponse:
         """Hourly training tokens and checkpoint saves of the key. Sampled tokens are not kept per request, so they
         are not reported; nothing carries a price."""
-        start, end = _utc(request.starting_on, "starting_on"), _utc(request.ending_before, "ending_before")
+        start, end = as_utc(request.starting_on, "starting_on"), as_utc(request.ending_before, "ending_before")
         if not (start < end and end - start <= USAGE_WINDOW):  # ``start + USAGE_WINDOW`` could pass the year 9999
             raise UserError("ending_before must come after starting_on, by at most 14 days")
         span = (start.isoformat(), end.isoformat())
@@ -107,91 +83,6 @@ class AccountService:
                    for r in self.records.account.checkpoints_by_hour(owner, *span)]
         return types.BillingUsageResponse(data=sorted(events, key=lambda e: e.bucket_start))
 
-    # ---- sessions ------------------------------------------------------------------------------------------------------
-    def create_session(self, owner: str, req: types.CreateSessionRequest) -> str:
-        """A new session of the key's, once its fields are within the session limits (refused whole otherwise:
-        nothing is stored)."""
-        self._check_field("display_name", req.display_name)
-        self._check_field("project_id", req.project_id)
-        self._check_field("sdk_version", req.sdk_version)
-        if len(req.tags) > self.limits.tags:
-            raise UserError(f"a session takes at most {self.limits.tags} tags, not {len(req.tags)} "
-                            "(--max-session-tags)")
-        for tag in req.tags:
-            self._check_field("a tag", tag)
-        metadata = req.user_metadata or {}
-        size = len(json.dumps(metadata))  # as stored; ASCII, so characters are bytes
-        if size > self.limits.metadata_bytes:
-            raise UserError(f"user_metadata is {size} bytes of JSON, over the {self.limits.metadata_bytes} a "
-                            "session's may have (--max-session-metadata-bytes)")
-        session_id = str(uuid.uuid4())
-        self.records.runs.create_session(session_id, owner, tags=req.tags, user_metadata=metadata,
-                                         sdk_version=req.sdk_version, project_id=req.project_id,
-                                         display_name=req.display_name)
-        return session_id
-
-    def _check_field(self, name: str, value: str | None) -> None:
-        if value is not None and len(value) > self.limits.field_chars:
-            raise UserError(f"{name} is {len(value)} characters long, over the {self.limits.field_chars} a "
-                            "session's names, tags and versions may have (--max-session-field-chars)")
-
-    def _session(self, owner: str, session_id: str) -> dict:
-        row = self.records.runs.session(session_id, owner)
-        if row is None:
-            raise NotFound(f"session {session_id!r} not found")
-        return row
-
-    def assign_project(self, owner: str, session_id: str, project_id: Any) -> None:
-        if not isinstance(project_id, str) or not project_id:
-            raise UserError("assigning a project needs {\"project_id\": \"…\"}")
-        self._check_field("project_id", project_id)
-        self._session(owner, session_id)
-        self.records.account.set_session_project(session_id, project_id)
-        self.records.account.audit(owner, "project_session_assign", session_id=session_id, project_id=project_id)
-
-    def search_sessions(self, owner: str, req: types.SessionSearchRequest) -> types.SessionSearchResponse:
-        """The key's own sessions only (``owner`` other than "own" matches the key's own too: a key sees no one
-        else's), newest first, filtered and paged by the request: at most 200 a page, each within ``SessionLimits``."""
-        if req.owner.type == "user":
-            raise UserError("searching other users' sessions is not supported: a key sees only its own")
-        before = (_utc(req.cursor.last_created_at, "cursor.last_created_at").isoformat(), req.cursor.last_session_id) \
-            if req.cursor else None
-        words = (req.display_name or "").lower().split()
-        found: list[dict] = []
-        while len(found) < req.limit + 1:
-            rows = self.records.account.search_sessions(owner, before=before, limit=500)
-            if not rows:
-                break
-            for row in rows:
-                if self._session_matches(row, req, words):
-                    found.append(row)
-            before = (rows[-1]["created"], rows[-1]["id"])
-        page = found[:req.limit]
-        summaries = [self._summary(row) for row in page]
-        more = len(found) > req.limit
-        cursor = types.SessionSearchCursor(last_created_at=page[-1]["created"], last_session_id=page[-1]["id"]) \
-            if more and page else None
-        return types.SessionSearchResponse(sessions=summaries, next_cursor=cursor)
-
-    def _session_matches(self, row: dict, req: types.SessionSearchRequest, words: list[str]) -> bool:
-        metadata = string_metadata(row["user_metadata"])
-        named = bool(words) and all(w in (row["display_name"] or "").lower() for w in words)
-        if (req.session_id is not None or words) and not (row["id"] == req.session_id or named):
-            return False
-        if req.project_ids is not None and (row["project_id"] or "default") not in req.project_ids:
-            return False
-        if any(metadata.get(k) != v for k, v in req.user_metadata.items()):
-            return False
-        return _status_matches(_session_status(row), req.statuses)
-
-    def _summary(self, row: dict) -> types.SessionSummary:
-        count, size = self.records.account.session_storage(row["id"])
-        return types.SessionSummary(
-            session_id=row["id"], created_at=row["created"], owner=f"key:{row['owner'][:16]}",
-            project_id=row["project_id"] or "default", status=_session_status(row), checkpoints_count=count,
-            display_name=row["display_name"], user_metadata=string_metadata(row["user_metadata"]) or None,
-            checkpoint_storage_bytes=size)
-
     # ---- trace export ----------------------------------------------------------------------------------------------------
     def _trace_grant(self, session_id: str, owner: str) -> DownloadGrant:
         return DownloadGrant(tinker_path=f"session-trace:{session_id}", uid=session_id,
@@ -199,7 +90,8 @@ class AccountService:
 
     def trace_url(self, owner: str, session_id: str, base_url: str) -> str:
         """A signed URL of the session's trace, like checkpoint download URLs (no API key needed until it expires)."""
-        self._session(owner, session_id)
+        if self.records.sessions.session(session_id, owner) is None:
+            raise NotFound(f"session {session_id!r} not found")
         self.records.account.audit(owner, "session_trace_export", session_id=session_id)
         _, query = self.signer.sign(self._trace_grant(session_id, owner), "trace.json")
         return f"{base_url.rstrip('/')}/api/v1/sessions/{session_id}/trace.json?{query}"
@@ -207,7 +99,7 @@ class AccountService:
     def trace(self, session_id: str, grantee: str, expires: int, signature: str) -> dict:
         """The session's requests as a Chrome/Perfetto JSON trace: one complete slice per request, one track per
         training run or sampling client. Re-checked at download: the URL's key must still own the session."""
-        owner = self.records.account.session_owner(session_id)
+        owner = self.records.sessions.session_owner(session_id)
         if owner is None or self.signer.grantee(owner) != grantee or not self.signer.valid(
                 self._trace_grant(session_id, owner), "trace.json", expires, signature):
             raise NotFound("this trace URL is invalid or has expired; export the trace again")

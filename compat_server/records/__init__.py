@@ -16,6 +16,7 @@ from compat_server.records.checkpoints import CheckpointRecords
 from compat_server.records.futures import FutureRecords
 from compat_server.records.runs import RunRecords
 from compat_server.records.samplers import SamplerRecords
+from compat_server.records.sessions import SessionRecords
 from compat_server.records.tenants import TenantRecords
 
 
@@ -26,11 +27,13 @@ class Records:
         self.file = RecordsFile(path)
         """The open database (``file.db``), shared by every group."""
         self.account = AccountRecords(self.file)
-        """The audit log, session search and usage a key may ask about (also where the other groups audit)."""
+        """The audit log, usage and session traces a key may ask about (also where the other groups audit)."""
         self.futures = FutureRecords(self.file)
         """Requests' futures and their outcomes."""
+        self.sessions = SessionRecords(self.file, self.account)
+        """Sessions: created, heartbeating, ended, listed and searched."""
         self.runs = RunRecords(self.file, self.account, self.futures)
-        """Sessions, training runs and their steps."""
+        """Training runs and their steps."""
         self.checkpoints = CheckpointRecords(self.file, self.account)
         """Saved checkpoints."""
         self.samplers = SamplerRecords(self.file)

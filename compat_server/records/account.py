@@ -1,5 +1,5 @@
-"""What a key can ask about its own account: the audit log of its mutating actions, session search, checkpoint
-storage, hourly usage, and the timeline of a session's requests (the trace export)."""
+"""What a key can ask about its own account: the audit log of its mutating actions, checkpoint storage, hourly usage,
+and the timeline of a session's requests (the trace export)."""
 
 from __future__ import annotations
 
@@ -40,29 +40,6 @@ class AccountRecords:
             where, args = where + " AND event LIKE ?", [*args, prefix + "%"]
         return [{**row, "details": json.loads(row["details"])}
                 for row in self.db["audit"].rows_where(where, args, order_by="at, id")]
-
-    # ---- sessions ---------------------------------------------------------------------------------------------------
-    def session_owner(self, session_id: str) -> str | None:
-        row = self.db.execute("SELECT owner FROM sessions WHERE id = ?", [session_id]).fetchone()
-        return None if row is None else row[0]
-
-    def set_session_project(self, session_id: str, project_id: str) -> None:
-        self.file.update("sessions", session_id, {"project_id": project_id})
-
-    def search_sessions(self, owner: str, *, before: tuple[str, str] | None, limit: int) -> list[dict]:
-        """The owner's sessions newest first, after the page cursor ``(created, id)``; filters are applied by the
-        caller on these rows (a key's sessions are few enough to scan)."""
-        where, args = "owner = ?", [owner]
-        if before is not None:
-            where, args = where + " AND (created < ? OR (created = ? AND id < ?))", [*args, before[0], *before]
-        return list(self.db["sessions"].rows_where(where, args, order_by="created desc, id desc", limit=limit))
-
-    def session_storage(self, session_id: str) -> tuple[int, int]:
-        """(live checkpoints, their bytes) saved by the session's training runs."""
-        count, size = self.db.execute(
-            f"SELECT count(*), coalesce(sum(size_bytes), 0) FROM checkpoints WHERE {LIVE} AND training_run_id IN "
-            "(SELECT id FROM models WHERE session_id = ?)", [now(), session_id]).fetchone()
-        return count, size
 
     # ---- usage ------------------------------------------------------------------------------------------------------
     def storage_by_project(self, owner: str) -> list[dict]:

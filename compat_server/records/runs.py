@@ -1,4 +1,4 @@
-"""Sessions, training runs and their steps (the dashboard's loss curves)."""
+"""Training runs and their steps (the dashboard's loss curves); the sessions they are created in: ``sessions``."""
 
 from __future__ import annotations
 
@@ -19,48 +19,6 @@ class RunRecords:
         """Where creations are audited."""
         self.futures = futures
         """Whose pending futures ``recover_after_restart`` fails."""
-
-    # ---- sessions -------------------------------------------------------------------------------------------------
-    def create_session(self, session_id: str, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
-                       sdk_version: str | None, project_id: str | None, display_name: str | None = None) -> None:
-        stamp = now()
-        self.file.insert("sessions", {
-            "id": session_id, "owner": owner, "created": stamp, "last_heartbeat": stamp, "tags": json.dumps(tags),
-            "user_metadata": json.dumps(user_metadata), "sdk_version": sdk_version, "project_id": project_id,
-            "display_name": display_name,
-        })
-        self.account.audit(owner, "session_create", session_id=session_id, project_id=project_id)
-
-    def session(self, session_id: str, owner: str) -> dict | None:
-        return self.file.owned("sessions", session_id, owner)
-
-    def heartbeat(self, session_id: str) -> None:
-        self.file.update("sessions", session_id, {"last_heartbeat": now()})
-
-    def stale_sessions(self, heartbeat_before: str) -> list[dict]:
-        """Open sessions whose last heartbeat is older than ``heartbeat_before``."""
-        return list(self.db["sessions"].rows_where("finished IS NULL AND last_heartbeat < ?", [heartbeat_before]))
-
-    def finish_session(self, session_id: str, reason: str) -> None:
-        self.file.update("sessions", session_id, {"finished": now(), "finish_reason": reason})
-
-    def count_telemetry(self, owner: str, session_id: str | None, events: int) -> None:
-        self.file.insert("telemetry", {"owner": owner, "session_id": session_id, "events": events, "received": now()})
-
-    def sessions_page(self, owner: str, limit: int, offset: int) -> list[str]:
-        return [row["id"] for row in self.db["sessions"].rows_where(
-            "owner = ?", [owner], order_by="created, id", limit=limit, offset=offset, select="id")]
-
-    def recent_sessions(self, owner: str, limit: int) -> list[dict]:
-        return list(self.db["sessions"].rows_where("owner = ?", [owner], order_by="created desc", limit=limit))
-
-    def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
-        """(training run ids, sampler ids) created in a session."""
-        runs = [r["id"] for r in self.db["models"].rows_where("session_id = ?", [session_id], order_by="created",
-                                                              select="id")]
-        samplers = [r["id"] for r in self.db["samplers"].rows_where("session_id = ?", [session_id],
-                                                                    order_by="created", select="id")]
-        return runs, samplers
 
     # ---- models (training runs) -----------------------------------------------------------------------------------
     @traced("records.create_model")

@@ -1,4 +1,5 @@
-"""What the SDK's ``RestClient`` manages: training runs, their checkpoints (list, delete, publish) and sessions.
+"""What the SDK's ``RestClient`` manages: training runs and their checkpoints (list, delete, publish). Its
+sessions are in ``compat_server.sessions``.
 
 A tenant sees its own objects; another tenant's unpublished objects answer exactly like missing ones (404), so their
 existence is never revealed. Published checkpoints are readable by every tenant but changed only by their owner.
@@ -31,7 +32,8 @@ log = logging.getLogger("compat_server.runs")
 MAX_PAGE = 1000
 
 
-def _page(limit: int, offset: int) -> tuple[int, int]:
+def checked_page(limit: int, offset: int) -> tuple[int, int]:
+    """A page's bounds, or a user error naming them."""
     if not 1 <= limit <= MAX_PAGE or offset < 0:
         raise UserError(f"limit must be between 1 and {MAX_PAGE} and offset ≥ 0, got limit={limit} offset={offset}")
     return limit, offset
@@ -77,7 +79,7 @@ class RunsService:
         return self._training_run(self._run(owner, training_run_id))
 
     def list_training_runs(self, owner: str, limit: int, offset: int) -> types.TrainingRunsResponse:
-        limit, offset = _page(limit, offset)
+        limit, offset = checked_page(limit, offset)
         rows, total = self.records.runs.models_page(owner, limit, offset)
         return types.TrainingRunsResponse(training_runs=[self._training_run(r) for r in rows],
                                           cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
@@ -88,7 +90,7 @@ class RunsService:
         return types.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows])
 
     def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> types.CheckpointsListResponse:
-        limit, offset = _page(limit, offset)
+        limit, offset = checked_page(limit, offset)
         rows, total = self.records.checkpoints.user_checkpoints(owner, limit, offset)
         return types.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows],
                                              cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
@@ -175,7 +177,7 @@ class RunsService:
         if req.session_id is not None:
             if req.model_seq_id is None:
                 raise UserError("copy_weights with a session_id needs model_seq_id too")
-            if self.records.runs.session(req.session_id, owner) is None:
+            if self.records.sessions.session(req.session_id, owner) is None:
                 raise NotFound(f"session {req.session_id!r} not found")
             run_id = model_id_for(req.session_id, req.model_seq_id)
             if self.records.runs.model(run_id, owner) is not None:
@@ -215,15 +217,3 @@ class RunsService:
                 self.checkpoints.delete(path, uid)
                 log.info("checkpoint expired and deleted: %s", path)
         return len(expired)
-
-    def list_sessions(self, owner: str, limit: int, offset: int) -> types.ListSessionsResponse:
-        limit, offset = _page(limit, offset)
-        return types.ListSessionsResponse(sessions=self.records.runs.sessions_page(owner, limit, offset))
-
-    def get_session(self, owner: str, session_id: str) -> types.GetSessionResponse:
-        row = self.records.runs.session(session_id, owner)
-        if row is None:
-            raise NotFound(f"session {session_id!r} not found")
-        runs, samplers = self.records.runs.session_children(session_id)
-        return types.GetSessionResponse(training_run_ids=runs, sampler_ids=samplers,
-                                        user_metadata=string_metadata(row["user_metadata"]) or None)

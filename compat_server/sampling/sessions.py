@@ -27,7 +27,7 @@ class SamplingSessions:
         self.ephemeral = ephemeral
 
     def create(self, owner: str, req: types.CreateSamplingSessionRequest) -> str:
-        if self.records.runs.session(req.session_id, owner) is None:
+        if self.records.sessions.session(req.session_id, owner) is None:
             raise NotFound(f"unknown session_id {req.session_id!r}")
         sampler_id = sampler_id_for(req.session_id, req.sampling_session_seq_id)
         existing = self.records.samplers.sampler(sampler_id, owner)

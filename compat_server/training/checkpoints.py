@@ -185,7 +185,7 @@ class CheckpointCalls:
         model_id = model_id_for(req.session_id, req.model_seq_id)
 
         async def job() -> Payload:
-            if self.records.runs.session(req.session_id, owner) is None:
+            if self.records.sessions.session(req.session_id, owner) is None:
                 raise NotFound(f"unknown session_id {req.session_id!r}")
             if self.records.runs.model(model_id, owner) is not None:
                 raise UserError(f"model {model_id} already exists")

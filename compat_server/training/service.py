@@ -109,7 +109,7 @@ class TrainingService:
         model_id = model_id_for(req.session_id, req.model_seq_id)
 
         async def job() -> Payload:
-            if self.records.runs.session(req.session_id, owner) is None:
+            if self.records.sessions.session(req.session_id, owner) is None:
                 raise NotFound(f"unknown session_id {req.session_id!r}")
             base = self.core.base(req.base_model)
             if req.lora_config is None:
@@ -200,7 +200,7 @@ class TrainingService:
 
     def check_loss_session(self, owner: str, session_id: str) -> None:
         """A custom loss is created in a live session of the caller's (404 for an unknown one or another key's)."""
-        session = self.records.runs.session(session_id, owner)
+        session = self.records.sessions.session(session_id, owner)
         if session is None:
             raise NotFound(f"unknown session_id {session_id!r}")
         if session["finished"]:
@@ -233,11 +233,11 @@ class TrainingService:
 
         return self.core.ordered(owner, "optim_step", req.model_id, req.seq_id, idem, job)
 
-    # ---- sessions -------------------------------------------------------------------------------------------------
+    # ---- ending sessions (here: it unloads their runs; the rest of a session is compat_server.sessions) -----------
     async def expire_sessions(self, timeout_seconds: float) -> int:
         """End sessions that stopped heartbeating ``timeout_seconds`` ago. Returns how many sessions ended."""
         cutoff = (datetime.now(UTC) - timedelta(seconds=timeout_seconds)).isoformat()
-        stale = self.records.runs.stale_sessions(cutoff)
+        stale = self.records.sessions.stale_sessions(cutoff)
         for session in stale:
             unloaded = await self.end_session(session["id"], "expired", "its session expired")
             log.info("session expired: %s (no heartbeat since %s); models unloaded: %s", session["id"],
@@ -256,6 +256,6 @@ class TrainingService:
                 log.warning("unloading %s of ended session %s: %s", row["id"], session_id, exc)
             self.records.runs.set_model_status(row["id"], f"unloaded ({why}; load a checkpoint of it into a new "
                                                      "training client to continue)")
-        self.records.runs.finish_session(session_id, reason)
+        self.records.sessions.finish_session(session_id, reason)
         self.custom_losses.drop_session(session_id)
         return [row["id"] for row in models]

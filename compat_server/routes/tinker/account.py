@@ -1,14 +1,13 @@
 """Account routes of the SDK's ``RestClient`` / ``AdminClient`` and the ``tinker auth`` CLI: audit log, storage and
-usage, session search and projects, session trace export, and the calling key itself. HTTP only."""
+usage, session trace export, and the calling key itself. HTTP only."""
 
 from __future__ import annotations
 
 from datetime import date, datetime
-from typing import Annotated, Any
 
-from litestar import Request, delete, get, post, put
+from litestar import Request, delete, get, post
 from litestar.di import NamedDependency
-from litestar.params import Body, FromPath, FromQuery
+from litestar.params import FromPath, FromQuery
 from tinker import types
 
 from compat_server.access.auth import require_key
@@ -35,18 +34,6 @@ async def usage_events(owner: NamedDependency[str], services: NamedDependency[Se
                        starting_on: FromQuery[datetime], ending_before: FromQuery[datetime]) -> types.BillingUsageResponse:
     request = types.GetBillingUsageRequest(starting_on=starting_on, ending_before=ending_before)
     return services.account.usage_events(owner, request)
-
-
-@post(f"{API}/sessions/search", status_code=200)
-async def search_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
-                          data: Annotated[types.SessionSearchRequest, Body()]) -> types.SessionSearchResponse:
-    return services.account.search_sessions(owner, data)
-
-
-@put(f"{API}/sessions/{{session_id:str}}/project", status_code=200)
-async def assign_session_project(session_id: FromPath[str], owner: NamedDependency[str],
-                                 services: NamedDependency[Services], data: Annotated[dict[str, Any], Body()]) -> None:
-    services.account.assign_project(owner, session_id, data.get("project_id"))
 
 
 @get(f"{API}/sessions/{{session_id:str}}/trace_export")
@@ -82,5 +69,5 @@ async def revoke_own_key(owner: NamedDependency[str], services: NamedDependency[
     services.account.revoke_own_key(owner)
 
 
-ACCOUNT_ROUTES = [auth_token, audit_log, checkpoint_storage, usage_events, search_sessions, assign_session_project, trace_export,
-                  trace_download, own_key, revoke_own_key]
+ACCOUNT_ROUTES = [auth_token, audit_log, checkpoint_storage, usage_events, trace_export, trace_download, own_key,
+                  revoke_own_key]

@@ -1,4 +1,5 @@
-"""REST routes of the SDK's ``RestClient``: training runs, checkpoints, sessions. HTTP only."""
+"""REST routes of the SDK's ``RestClient``: training runs and checkpoints (its session routes are in sessions.py).
+HTTP only."""
 
 from __future__ import annotations
 
@@ -112,18 +113,6 @@ async def copy_weights(owner: NamedDependency[str], services: NamedDependency[Se
     return services.runs.copy_weights(owner, data)
 
 
-@get(f"{API}/sessions")
-async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
-                        limit: Limit = 20, offset: Offset = 0) -> types.ListSessionsResponse:
-    return services.runs.list_sessions(owner, limit, offset)
-
-
-@get(f"{API}/sessions/{{session_id:str}}")
-async def get_session(session_id: FromPath[str], owner: NamedDependency[str],
-                      services: NamedDependency[Services]) -> types.GetSessionResponse:
-    return services.runs.get_session(owner, session_id)
-
-
 RUNS_ROUTES = [list_training_runs, get_training_run, list_checkpoints, list_user_checkpoints, delete_checkpoint,
-               publish_checkpoint, unpublish_checkpoint, set_checkpoint_ttl, weights_info, external_weights_urls, download, copy_weights,
-               list_sessions, get_session]
+               publish_checkpoint, unpublish_checkpoint, set_checkpoint_ttl, weights_info, external_weights_urls,
+               download, copy_weights]

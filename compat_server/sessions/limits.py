@@ -1,7 +1,7 @@
 """What one session's fields may hold (``--max-session-field-chars``, ``--max-session-tags``,
 ``--max-session-metadata-bytes``): declared here once, each with its default, help and check (``shims.option``),
-apart from the account service, so that the CLI reads them without importing the tinker SDK.
-``compat_server.config.ServerConfig`` holds them as ``sessions``; the account service is given them whole."""
+apart from the session service, so that the CLI reads them without importing the tinker SDK.
+``compat_server.config.ServerConfig`` holds them as ``sessions``; the session service is given them whole."""
 
 from __future__ import annotations
 

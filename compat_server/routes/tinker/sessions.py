@@ -1,16 +1,18 @@
-"""Client bootstrap and session routes: config, sessions, heartbeats, telemetry, health and capabilities."""
+"""Client bootstrap and session routes: config; a session's creation, heartbeats and end; listing, getting and searching
+a key's sessions and moving one to a project; telemetry, health and capabilities. HTTP only: the work is in
+``compat_server.sessions`` (ending a session, in the training service)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Annotated, Any
 
-from litestar import get, post
+from litestar import get, post, put
 from litestar.di import NamedDependency
-from litestar.exceptions import ClientException
 from litestar.params import Body, FromPath
 from tinker import types
 
+from compat_server.routes.tinker.runs import Limit, Offset
 from compat_server.services import Services
 from shims.errors import UserError
 
@@ -40,7 +42,7 @@ async def client_dynamic_config(owner: NamedDependency[str]) -> types.ClientDyna
 async def create_session(owner: NamedDependency[str], services: NamedDependency[Services],
                          data: Annotated[types.CreateSessionRequest, Body()]) -> types.CreateSessionResponse:
     """Its display name, project, tags and metadata are checked against the session limits (``--max-session-…``)."""
-    session_id = services.account.create_session(owner, data)
+    session_id = services.sessions.create(owner, data)
     log.info("session created: %s (sdk %s)", session_id, data.sdk_version)
     return types.CreateSessionResponse(session_id=session_id)
 
@@ -48,14 +50,9 @@ async def create_session(owner: NamedDependency[str], services: NamedDependency[
 @post(f"{API}/session_heartbeat", status_code=200)
 async def session_heartbeat(owner: NamedDependency[str], services: NamedDependency[Services],
                             data: Annotated[types.SessionHeartbeatRequest, Body()]) -> types.SessionHeartbeatResponse:
-    """An unknown session answers 410 Gone, which stops the SDK's heartbeat loop instead of retrying forever."""
-    row = services.records.runs.session(data.session_id, owner)
-    if row is None:
-        raise ClientException(f"unknown session_id {data.session_id!r}", status_code=410)
-    if row["finish_reason"] == "expired":
-        raise ClientException(f"session {data.session_id} expired after missing heartbeats; start a new one",
-                              status_code=410)
-    services.records.runs.heartbeat(data.session_id)
+    """An unknown or expired session answers 410 Gone, which stops the SDK's heartbeat loop instead of retrying
+    forever."""
+    services.sessions.heartbeat(owner, data.session_id)
     return types.SessionHeartbeatResponse(type="session_heartbeat")
 
 
@@ -64,7 +61,7 @@ async def finish_session(session_id: FromPath[str], owner: NamedDependency[str],
                          data: Annotated[dict[str, Any], Body()]) -> dict:
     """Closing a session records why (success / errored / interrupted; the first reason given wins) and ends it:
     its training runs leave the trainer (the SDK rejects further operations on a closed session anyway)."""
-    row = services.records.runs.session(session_id, owner)
+    row = services.records.sessions.session(session_id, owner)
     if row is None:
         raise UserError(f"unknown session_id {session_id!r}")
     reason = data.get("reason")
@@ -77,11 +74,35 @@ async def finish_session(session_id: FromPath[str], owner: NamedDependency[str],
     return {}
 
 
+@get(f"{API}/sessions")
+async def list_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
+                        limit: Limit = 20, offset: Offset = 0) -> types.ListSessionsResponse:
+    return services.sessions.list_page(owner, limit, offset)
+
+
+@get(f"{API}/sessions/{{session_id:str}}")
+async def get_session(session_id: FromPath[str], owner: NamedDependency[str],
+                      services: NamedDependency[Services]) -> types.GetSessionResponse:
+    return services.sessions.get(owner, session_id)
+
+
+@post(f"{API}/sessions/search", status_code=200)
+async def search_sessions(owner: NamedDependency[str], services: NamedDependency[Services],
+                          data: Annotated[types.SessionSearchRequest, Body()]) -> types.SessionSearchResponse:
+    return services.sessions.search(owner, data)
+
+
+@put(f"{API}/sessions/{{session_id:str}}/project", status_code=200)
+async def assign_session_project(session_id: FromPath[str], owner: NamedDependency[str],
+                                 services: NamedDependency[Services], data: Annotated[dict[str, Any], Body()]) -> None:
+    services.sessions.assign_project(owner, session_id, data.get("project_id"))
+
+
 @post(f"{API}/telemetry", status_code=200)
 async def telemetry(owner: NamedDependency[str], services: NamedDependency[Services],
                     data: Annotated[types.TelemetrySendRequest, Body()]) -> types.TelemetryResponse:
     """SDK telemetry is accepted and counted, not stored: it holds nothing the operator needs."""
-    services.records.runs.count_telemetry(owner, data.session_id, len(data.events))
+    services.records.sessions.count_telemetry(owner, data.session_id, len(data.events))
     return types.TelemetryResponse(status="accepted")
 
 
@@ -103,5 +124,6 @@ async def get_server_capabilities(owner: NamedDependency[str], services: NamedDe
     ]}
 
 
-SERVICE_ROUTES = [client_config, client_dynamic_config, create_session, session_heartbeat, finish_session,
-                  telemetry, healthz, get_server_capabilities]
+SESSION_ROUTES = [client_config, client_dynamic_config, create_session, session_heartbeat, finish_session,
+                  list_sessions, get_session, search_sessions, assign_session_project, telemetry, healthz,
+                  get_server_capabilities]
