@@ -36,7 +36,7 @@ its modules start (a server with its Ray processes holds 1–3 GiB; the model-fa
 CORES_PER_WORKER = 4
 """Cores one worker keeps busy: a server start is several processes importing torch, transformers and vLLM at once
 (the server, its trainer and sampler actors, vLLM's engine and worker, Ray's own), and a test drives a server that
-computes while the test process checks. Measured on 2 cores: one worker, 33 min; two, 53 min (every start slower)."""
+computes while the test process checks. Measured on 2 cores: in one process, 48 min; two workers, 53 min (every start slower)."""
 
 
 def pytest_configure(config) -> None:
