@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 SLOW_FIRST: tuple[str, ...] = (
     "test_reliability", "test_model_families", "test_fuzz", "test_sampling_sdk", "test_openai_sdk",
-    "test_sharded_trainer", "test_server_imports", "test_vllm_families", "test_ray_cluster",
+    "test_sharded_trainer", "test_vllm_families", "test_ray_cluster",
     "test_sampler_tensor_parallel", "test_telemetry", "test_openai_vllm_surface", "test_base_models",
     "test_vl_checkpoint")
 """Modules that take the longest, longest first (measured from CI's per-module durations): the order only, which
@@ -146,11 +146,13 @@ def _shared(name: str, start):
 def transformers_server(model_cache, tmp_path_factory):
     """The server most tests share: the default sampler backend on CPU (transformers). It runs without
     HF_HUB_OFFLINE, as a user would, so everything the tests do through it shows that the built-in model never
-    sends the server to the hub (``test_cli_and_model`` reads its log for that)."""
+    sends the server to the hub (``test_cli_and_model`` reads its log for that). It says which modules it has
+    imported when asked (``tests.serve``; ``test_server_imports``)."""
     from tests.server import start_server
 
     return _shared("transformers", lambda: start_server(tmp_path_factory.mktemp("server-data"), *SERVER_ARGS,
-                                                         env={"HF_HUB_OFFLINE": "0"}, detached=True))
+                                                         env={"HF_HUB_OFFLINE": "0"}, detached=True,
+                                                         reports_modules=True))
 
 
 @pytest.fixture(scope="session")
@@ -162,7 +164,8 @@ def vllm_server(model_cache, tmp_path_factory):
 
     skip_without_vllm()
     return _shared("vllm", lambda: start_server(tmp_path_factory.mktemp("vllm-server-data"), "--sampler-backend",
-                                                "vllm", *SERVER_ARGS, timeout=400, detached=True))
+                                                "vllm", *SERVER_ARGS, timeout=400, detached=True,
+                                                reports_modules=True))
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,12 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tests.serve import MODULES_ENV
+
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+"""Where servers start: the repository root, from which ``python -m tests.serve`` finds the tests package."""
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -78,6 +84,17 @@ class RunningServer:
         except psutil.NoSuchProcess:
             pass
 
+    def imported_modules(self, timeout: float = 30) -> set[str]:
+        """The modules the server process has imported by now (a server started with ``reports_modules``)."""
+        listed = Path(self.env[MODULES_ENV])
+        listed.unlink(missing_ok=True)
+        os.kill(self.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while not listed.exists():
+            assert time.monotonic() < deadline, f"the server wrote no module list in {timeout} s"
+            time.sleep(0.1)
+        return set(listed.read_text().split())
+
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name != "process"}, default=str)
 
@@ -88,13 +105,16 @@ class RunningServer:
 
 
 def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = None,
-                 timeout: float = 180, attempts: int = 3, detached: bool = False) -> RunningServer:
+                 timeout: float = 180, attempts: int = 3, detached: bool = False,
+                 reports_modules: bool = False) -> RunningServer:
     """Start a server on a free port. The port is free when chosen, but the server binds it only once it is ready,
     seconds later, and Ray processes pick random ports meanwhile; losing that race retries with another port.
-    ``detached``: in a session of its own, so that it outlives the worker that started it (``shared_server``)."""
+    ``detached``: in a session of its own, so that it outlives the worker that started it (``shared_server``).
+    ``reports_modules``: through ``tests.serve``, which writes the modules it has imported to ``modules_file()``
+    when sent SIGUSR1 (``RunningServer.imported_modules``)."""
     for attempt in range(attempts):
         try:
-            return _start_once(data_dir, extra_args, env, timeout, detached)
+            return _start_once(data_dir, extra_args, env, timeout, detached, reports_modules)
         except PortTaken:
             if attempt == attempts - 1:
                 raise
@@ -156,16 +176,19 @@ class PortTaken(RuntimeError):
 
 
 def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str] | None,
-                timeout: float, detached: bool) -> RunningServer:
+                timeout: float, detached: bool, reports_modules: bool) -> RunningServer:
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     admin_key = _admin_key(data_dir)
     log_path = data_dir / "server.log"
     log_file = open(log_path, "wb")  # noqa: SIM115 - the child process writes to it for its whole life
-    args = [sys.executable, "-m", "compat_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    if reports_modules:
+        env = {**(env or {}), MODULES_ENV: str(data_dir / "modules.txt")}
+    entry = "tests.serve" if reports_modules else "compat_server.cli"
+    args = [sys.executable, "-m", entry, "serve", "--host", "127.0.0.1", "--port", str(port),
             "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args]
     process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                               start_new_session=detached)
+                               start_new_session=detached, cwd=REPOSITORY)
     server = RunningServer(process.pid, args, f"http://127.0.0.1:{port}", data_dir, log_path, admin_key,
                            dict(env or {}), process=process)
     deadline = time.monotonic() + timeout
