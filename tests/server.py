@@ -110,7 +110,7 @@ def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = 
     """Start a server on a free port. The port is free when chosen, but the server binds it only once it is ready,
     seconds later, and Ray processes pick random ports meanwhile; losing that race retries with another port.
     ``detached``: in a session of its own, so that it outlives the worker that started it (``shared_server``).
-    ``reports_modules``: through ``tests.serve``, which writes the modules it has imported to ``modules_file()``
+    ``reports_modules``: through ``tests.serve``, which writes the modules it has imported to ``<data dir>/modules.txt``
     when sent SIGUSR1 (``RunningServer.imported_modules``)."""
     for attempt in range(attempts):
         try:
