@@ -28,6 +28,12 @@ class Restarting(RuntimeError):
     not run. Its caller sees ``adapters.actors.ActorRestarting`` and waits for the new replica."""
 
 
+class EngineDead(RuntimeError):
+    """A backend's engine died under a running request (vLLM's engine process): the request failed and this replica
+    cannot serve until it is restarted. Defined here, not beside the backend, because Ray raises it again in the
+    server process, which unpickles it by its class's module and must not import a backend to do so."""
+
+
 @dataclass(frozen=True)
 class AdapterRef:
     """Which LoRA weights to sample from. ``key`` names the weights (a sampler checkpoint's tinker:// path, or an

@@ -31,6 +31,7 @@ from adapters.samplers.interface import (
     Acquired,
     AdapterRef,
     AllAdaptersBusy,
+    EngineDead,
     OnToken,
     ResidentAdapters,
     Restarting,
@@ -46,10 +47,6 @@ from shims.errors import ConfigurationRefused, UserError
 from shims.sampling.job import OutputConstraint, SampleJob, SampleResult
 
 log = logging.getLogger("compat_server.sampler")
-
-class EngineDead(RuntimeError):
-    """The vLLM engine died; this replica cannot serve until it is restarted."""
-
 
 class VLLMSampler(SamplerBackend):
     """One base model in a vLLM ``AsyncLLM`` engine, sampled with any number of LoRA adapters."""
