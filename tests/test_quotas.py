@@ -30,3 +30,23 @@ def test_a_block_that_fails_still_gives_its_count_back_and_admitted_work_is_neve
     with quota.hold("a", checked=False):  # admitted earlier by ``check``: counted, not refused
         assert quota.pending("a") == 2
     assert KeyQuota(None).usage("a")["limit"] is None
+
+
+def test_a_chat_request_of_a_key_at_its_limit_is_refused_before_any_work_is_done_for_it():
+    """The OpenAI routes check the count before loading a tokenizer or rendering a chat: refused work costs
+    nothing, and the refusal does not depend on whether the requests that fill the count finish meanwhile."""
+    import asyncio
+
+    from compat_server.completions.service import CompletionsService
+
+    class NoWork:
+        def __getattr__(self, name):
+            raise AssertionError(f"work was done for a refused request: {name}")
+
+    quota = KeyQuota(1)
+    quota.acquire("a")
+    service = CompletionsService(NoWork(), NoWork(), {}, quota, NoWork(), NoWork())
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(TooManyRequests, match="max-pending-per-key 1"):
+        asyncio.run(service.prepare("a", body, chat=True))
+    assert quota.usage("a")["refused"] == 1

@@ -140,7 +140,10 @@ class CompletionsService:
     # ---- requests -------------------------------------------------------------------------------------------------
     async def prepare(self, owner: str, body: object, chat: bool) -> Prepared:
         """The checked request. Its chat template, its prompts' tokenizing and its output constraint run in the
-        workers, a completion's prompts one by one: a request of many long prompts takes turns with the others."""
+        workers, a completion's prompts one by one: a request of many long prompts takes turns with the others.
+        A key at its ``--max-pending-per-key`` is refused first, before any of that work is done for it (and so
+        while the requests that fill its count are still running: its tokenizer's first load can take seconds)."""
+        self.quota.check(owner)
         req = parse_request(ChatRequest if chat else CompletionRequest, body)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
