@@ -47,8 +47,13 @@ SSH_RECIPIENT = ("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJg/T0yITpkcqt5UilVRAiNMn1
 
 DOWNLOAD = ("import sys; from tinker_cookbook import weights; "
             "weights.download(tinker_path=sys.argv[1], output_dir=sys.argv[2])")
-BUILD = ("import sys; from tinker_cookbook import weights; "
-         "weights.build_hf_model(base_model=sys.argv[1], adapter_path=sys.argv[2], output_path=sys.argv[3])")
+EXPORT = ("import sys; from tinker_cookbook import weights; state, adapter, base, merged, peft = sys.argv[1:]; "
+          "weights.download(tinker_path=state, output_dir=adapter); "
+          "weights.build_hf_model(base_model=base, adapter_path=adapter, output_path=merged); "
+          "peft and weights.build_lora_adapter(base_model=base, adapter_path=adapter, output_path=peft)")
+"""The cookbook's three steps, in one process (each process spends seconds importing the cookbook): ``weights.download``
+of a training checkpoint, ``build_hf_model`` merging it into the base model, and (unless ``peft`` is empty)
+``build_lora_adapter`` converting it for vLLM / SGLang."""
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,7 @@ def check_download_and_merge(python, server, run, base_dir: Path, tmp_path: Path
     logits are those of the stored adapter applied by PEFT, and of the server's own forward pass."""
     state = run.save_state("to-merge").result().path
     adapter, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    run_cookbook(python, server, DOWNLOAD, state, str(adapter))
+    run_cookbook(python, server, EXPORT, state, str(adapter), str(base_dir), str(merged_dir), "")
     assert sorted(p.name for p in adapter.iterdir()) == PLAIN_FILES
     stored = load_file(checkpoint_dir(server.data_dir, state) / "adapter_model.safetensors")
     downloaded = load_file(adapter / "adapter_model.safetensors")
@@ -102,7 +107,6 @@ def check_download_and_merge(python, server, run, base_dir: Path, tmp_path: Path
     assert downloaded.keys() == expected_tensors.keys()
     assert all(torch.equal(downloaded[k], expected_tensors[k]) for k in downloaded)
     assert downloaded[f"{HOSTED_HEAD}lora_B.weight"].abs().max() > 1e-3  # the unembedding LoRA was trained
-    run_cookbook(python, server, BUILD, str(base_dir), str(adapter), str(merged_dir))
 
     from transformers import AutoModelForCausalLM
 

@@ -24,10 +24,8 @@ from tinker import types
 from tests.cookbook_env import cookbook_python
 from tests.families import FAMILIES, family_dir, matrix_datum, reference_model, serve_families
 from tests.helpers import checkpoint_dir, forward_logprobs, train
-from tests.test_cookbook_weights import BUILD, DOWNLOAD, KEY, run_cookbook
+from tests.test_cookbook_weights import EXPORT, KEY, run_cookbook
 
-CONVERT = ("import sys; from tinker_cookbook import weights; "
-           "weights.build_lora_adapter(base_model=sys.argv[1], adapter_path=sys.argv[2], output_path=sys.argv[3])")
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -164,23 +162,24 @@ def test_the_cookbook_merges_and_converts_the_export_as_the_server_trained_and_s
                     "its default merge profile, which cannot merge the split in_proj_q/k/v hosted Tinker trains")
     run = trained[name]
     state = run.save_state(f"{name}-merge").result().path
-    adapter, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    run_cookbook(python, server, DOWNLOAD, state, str(adapter))
+    adapter, merged_dir, peft = tmp_path / "adapter", tmp_path / "merged", tmp_path / "peft"
+    # DeepSeek-V3 aside: the cookbook's own refusal to convert, as vLLM and SGLang serve no DeepSeek-V3 LoRA.
+    run_cookbook(python, server, EXPORT, state, str(adapter), families[name], str(merged_dir),
+                 "" if name == "deepseek_v3" else str(peft))
     exported = load_file(adapter / "adapter_model.safetensors")
     assert "base_model.model.model.unembed_tokens.lora_A.weight" in exported
     if name not in ("llama3", "qwen3"):
         assert any(v.dim() == 3 for k, v in exported.items() if ".experts." in k), "experts are not 3-D"
-    run_cookbook(python, server, BUILD, families[name], str(adapter), str(merged_dir))
     merged = reference_model(merged_dir)
     trained = forward_logprobs(run, DATUM)
     np.testing.assert_allclose(_logprobs(merged), trained, atol=1e-4)
 
-    if name == "deepseek_v3":  # the cookbook's own refusal: vLLM and SGLang serve no DeepSeek-V3 LoRA
+    if name == "deepseek_v3":
+        assert not peft.exists()
         return
     # The cookbook's converter to a PEFT adapter for vLLM / SGLang gives what the server itself stores for samplers
     # (per-expert pairs, Nemotron's Mamba parts fused at rank_pattern), and that scores as the trainer does.
-    run_cookbook(python, server, CONVERT, families[name], str(adapter), str(tmp_path / "peft"))
-    converted = _fused_as_vllm_loads_them(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    converted = _fused_as_vllm_loads_them(load_file(peft / "adapter_model.safetensors"))
     stored_dir = checkpoint_dir(server.data_dir, state)
     stored = load_file(stored_dir / "adapter_model.safetensors")
     # The other difference: the cookbook names a tied head's LoRA after the one matrix (embed_tokens, as lora_A/B);
