@@ -190,6 +190,10 @@ class TrainerGroup:
             if failures[0] is not None:
                 raise failures[0]
             return [t.result() for t in tasks]
+        if group is not self.actors and self._why:
+            # The group was restarted while this call ran: a question found a shard dead first, and the restart
+            # killed the others, so the fault's own reason names the process that failed, not one the restart killed.
+            why = self._why
         if starting:
             raise next((f for f in failures if f is not None), None) or ActorUnavailable(f"{self.what}: {why}")
         self._fault(why, group)
