@@ -175,7 +175,6 @@ def test_the_cookbook_merges_and_converts_the_export_as_the_server_trained_and_s
     np.testing.assert_allclose(_logprobs(merged), trained, atol=1e-4)
 
     if name == "deepseek_v3":
-        assert not peft.exists()
         return
     # The cookbook's converter to a PEFT adapter for vLLM / SGLang gives what the server itself stores for samplers
     # (per-expert pairs, Nemotron's Mamba parts fused at rank_pattern), and that scores as the trainer does.
