@@ -174,7 +174,7 @@ _ENGINE_DIES = textwrap.dedent("""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    def main(root):
+    def main(root, outcome):
         config = Qwen3MoeConfig(vocab_size=512, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=1, head_dim=64, intermediate_size=128, moe_intermediate_size=64,
                                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
@@ -189,12 +189,14 @@ _ENGINE_DIES = textwrap.dedent("""
         try:
             llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=1, detokenize=False),
                          use_tqdm=False)
-            print(json.dumps({"outcome": "sampled"}))
+            outcome.write_text(json.dumps({"outcome": "sampled"}))
         except Exception as exc:
-            print(json.dumps({"outcome": type(exc).__name__}))
+            outcome.write_text(json.dumps({"outcome": type(exc).__name__}))
 
     if __name__ == "__main__":
-        main(sys.argv[1])
+        # The outcome goes to a file: the engine's processes share stdout and write to it without ending their lines.
+        from pathlib import Path
+        main(sys.argv[1], Path(sys.argv[2]))
 """)
 
 
@@ -209,10 +211,11 @@ def test_the_cpu_engine_dies_at_the_first_sample_of_a_moe_model_with_lora_enable
         pytest.skip("measures vLLM's CPU build")
     script = tmp_path / "engine_dies.py"
     script.write_text(_ENGINE_DIES)
-    run = subprocess.run([sys.executable, str(script), str(tmp_path / "model")], capture_output=True, text=True,
-                         timeout=600, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    outcomes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert outcomes == [{"outcome": "EngineDeadError"}], run.stdout[-2000:] + run.stderr[-4000:]
+    outcome = tmp_path / "outcome.json"
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "model"), str(outcome)], capture_output=True,
+                         text=True, timeout=600, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    said = json.loads(outcome.read_text()) if outcome.exists() else None
+    assert said == {"outcome": "EngineDeadError"}, run.stdout[-2000:] + run.stderr[-4000:]
     assert "triton" in run.stderr  # the cause measured: Triton fused-MoE kernels the CPU build lacks
     assert vllm_base_refusal(json.loads((tmp_path / "model" / "config.json").read_text()), "cpu") is not None
 
