@@ -18,8 +18,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.server import REGISTRY_ENV
-
 # Tests never touch a model hub; the tinker SDK's get_tokenizer() must resolve locally, from a Hugging Face cache of
 # their own (the server installs the tiny model there under its name) rather than the user's.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -27,6 +25,9 @@ os.environ.setdefault("HF_HUB_CACHE", tempfile.mkdtemp(prefix="compat-server-tes
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+REGISTRY_ENV = "COMPAT_SERVER_TEST_SERVERS"
+"""The directory where the run's shared servers are recorded (``tests.server.shared_server``)."""
 
 WORKER_MEMORY_GIB = 8.0
 """Memory one worker may need at its peak: its own test process (torch, the SDKs, reference models) and the servers
@@ -57,12 +58,9 @@ def pytest_unconfigure(config) -> None:
     """The run is over (every worker has finished): stop the shared servers."""
     if hasattr(config, "workerinput") or REGISTRY_ENV not in os.environ:
         return
-    from tests.ray_head import stop_shared_ray
     from tests.server import stop_shared_servers
 
-    registry = Path(os.environ[REGISTRY_ENV])
-    stop_shared_servers(registry)
-    stop_shared_ray(registry)
+    stop_shared_servers(Path(os.environ[REGISTRY_ENV]))
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -147,14 +145,14 @@ def _shared(name: str, start):
 @pytest.fixture(scope="session")
 def transformers_server(model_cache, tmp_path_factory):
     """The server most tests share: the default sampler backend on CPU (transformers). It runs without
-    HF_HUB_OFFLINE, as a user would (on a private Ray instance, so that its actors do too), so everything the tests do through it shows that the built-in model never
+    HF_HUB_OFFLINE, as a user would, so everything the tests do through it shows that the built-in model never
     sends the server to the hub (``test_cli_and_model`` reads its log for that). It says which modules it has
     imported when asked (``tests.serve``; ``test_server_imports``)."""
     from tests.server import start_server
 
     return _shared("transformers", lambda: start_server(tmp_path_factory.mktemp("server-data"), *SERVER_ARGS,
                                                          env={"HF_HUB_OFFLINE": "0"}, detached=True,
-                                                         reports_modules=True, own_ray=True))
+                                                         reports_modules=True))
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,6 @@ import psutil
 from tests.serve import MODULES_ENV
 
 
-REGISTRY_ENV = "COMPAT_SERVER_TEST_SERVERS"
-"""The directory where the run's shared servers (``shared_server``) and its Ray head (``tests.ray_head``) are
-recorded; set by the test run (``tests/conftest.py``), absent elsewhere (the benchmarks)."""
-
 REPOSITORY = Path(__file__).resolve().parent.parent
 """Where servers start: the repository root, from which ``python -m tests.serve`` finds the tests package."""
 
@@ -110,20 +106,12 @@ class RunningServer:
 
 def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = None,
                  timeout: float = 180, attempts: int = 3, detached: bool = False,
-                 reports_modules: bool = False, own_ray: bool = False) -> RunningServer:
+                 reports_modules: bool = False) -> RunningServer:
     """Start a server on a free port. The port is free when chosen, but the server binds it only once it is ready,
     seconds later, and Ray processes pick random ports meanwhile; losing that race retries with another port.
     ``detached``: in a session of its own, so that it outlives the worker that started it (``shared_server``).
     ``reports_modules``: through ``tests.serve``, which writes the modules it has imported to ``<data dir>/modules.txt``
-    when sent SIGUSR1 (``RunningServer.imported_modules``).
-    In a test run the server joins the run's Ray head (``tests.ray_head``), unless ``own_ray`` or its arguments name
-    a cluster: then, and outside a test run (the benchmarks), it starts its private Ray instance as a user's does.
-    ``env`` reaches the server process, and its actors only on a private instance."""
-    if not own_ray and "--ray-address" not in extra_args and REGISTRY_ENV in os.environ:
-        from tests.ray_head import CLIENT_ENV, shared_ray_address
-
-        extra_args = (*extra_args, "--ray-address", shared_ray_address(Path(os.environ[REGISTRY_ENV])))
-        env = {**CLIENT_ENV, **(env or {})}
+    when sent SIGUSR1 (``RunningServer.imported_modules``)."""
     for attempt in range(attempts):
         try:
             return _start_once(data_dir, extra_args, env, timeout, detached, reports_modules)
@@ -134,7 +122,7 @@ def start_server(data_dir: Path, *extra_args: str, env: dict[str, str] | None = 
 
 
 @contextmanager
-def locked(path: Path) -> Iterator[None]:
+def _locked(path: Path) -> Iterator[None]:
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -151,7 +139,7 @@ def shared_server(registry: Path, name: str, start: Callable[[], RunningServer])
     worker rather than costing each worker the start's timeout."""
     registry.mkdir(parents=True, exist_ok=True)
     record, failure = registry / f"{name}.json", registry / f"{name}.failed"
-    with locked(registry / f"{name}.lock"):
+    with _locked(registry / f"{name}.lock"):
         if failure.exists():
             raise RuntimeError(f"the shared {name} server failed to start in another worker:\n{failure.read_text()}")
         if record.exists():

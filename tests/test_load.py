@@ -93,7 +93,7 @@ def run_client(url: str, index: int, deadline: float) -> Counter:
 
 @pytest.mark.timeout(900)
 def test_32_clients_train_and_sample_at_once_with_no_lost_or_duplicated_futures(model_cache, tmp_path, capsys):
-    server = start_server(tmp_path / "data", own_ray=True)  # its actors in its process tree, for RssMonitor
+    server = start_server(tmp_path / "data")
     try:
         url = server.base_url
         monitor = RssMonitor(server.process.pid)

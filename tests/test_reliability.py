@@ -57,7 +57,7 @@ def kill_9(server) -> None:
 @pytest.mark.timeout(600)
 def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_path):
     data_dir = tmp_path / "data"
-    server = start_server(data_dir, own_ray=True)
+    server = start_server(data_dir)
     try:
         service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
         client = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
@@ -86,7 +86,7 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
     finally:
         kill_9(server)
 
-    server = start_server(data_dir, own_ray=True)  # the same data directory, a new process
+    server = start_server(data_dir)  # the same data directory, a new process
     try:
         assert "requests in flight (now failed)" in server.log() and not half_written.exists()
         rest = tinker.RestClient(base_url=server.base_url, api_key=KEY)

@@ -171,7 +171,7 @@ def observed_run(model_cache, tmp_path_factory) -> dict:
     server = start_server(tmp_path_factory.mktemp("observed-data"), "--otlp-endpoint",
                           f"http://127.0.0.1:{collector.server_port}",
                           env={"COMPAT_SERVER_LOG_FORMAT": "json", "OTEL_BSP_SCHEDULE_DELAY": "500",
-                               "OTEL_METRIC_EXPORT_INTERVAL": "1000"}, own_ray=True)  # actors log JSON too
+                               "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
     try:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-observed")
         client = service.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
