@@ -18,6 +18,7 @@ from torch.func import functional_call
 
 from adapters.trainer.actor import MultiLoRATrainer
 from adapters.trainer.interface import LoraSpec, StepRequest
+from adapters.trainer.packing import buckets
 from shims.tinker.training_wire import DatumArrays
 from tests.families import FAMILIES, family_dir, reference_model
 
@@ -282,7 +283,8 @@ def test_peft_itself_loads_the_stored_fused_mamba_projection(model_cache, tmp_pa
 
 def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(family):
     """With every decoder layer checkpointed (``adapters.trainer.recompute``: recomputed in backward, its routing
-    restored), a mixed batch of two adapters of different lengths runs as one batch (each layer checkpointed once)
+    restored), a mixed batch of two adapters of different lengths runs as one batch (each layer checkpointed once per
+    forward)
     and gets the loss, logprobs and gradients it gets with every activation kept, on every family's layers
     (experts, MLA, DeltaNet, Mamba). It also caught mixed batches failing on Qwen3.5's shared expert, which sees
     the batch's tokens flattened (they fell back to running one by one)."""
@@ -306,7 +308,9 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(f
             patch.setattr("adapters.trainer.recompute.checkpoint", counted)
             results = trainer.forward_backward_batch([StepRequest("a", data[:1], "cross_entropy", {}, False),
                                                       StepRequest("b", data[1:], "cross_entropy", {}, False)])
-        assert len(calls) == (len(trainer.passes.recompute.layers) if recompute else 0)
+        # One packed forward; a recurrent family's one forward per length bucket (adapters.trainer.packing).
+        forwards = 1 if trainer.passes.packs else len(buckets([d.tokens.size for d in data]))
+        assert len(calls) == (len(trainer.passes.recompute.layers) * forwards if recompute else 0)
         outcomes[recompute] = (results, {run: [p.grad.clone() for p in trainer.adapters[run].params]
                                          for run in ("a", "b")})
         for run in ("a", "b"):

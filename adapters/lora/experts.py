@@ -68,12 +68,10 @@ class LoRAExperts(nn.Module):
         routing = self.router.active(self.lora.scaling)
         if routing is None:
             return self.run(hidden, top_k_index, top_k_weights, None)
-        per_row = hidden.shape[0] // routing.rows  # tokens of each batch row, flattened row by row
-        parts = []
-        for name, lo, hi in routing.groups:
-            rows = slice(lo * per_row, hi * per_row)
-            parts.append(self.run(hidden[rows], top_k_index[rows], top_k_weights[rows],
-                                  name if name in self.lora else None))
+        sizes = routing.sizes(hidden.shape[0])  # the tokens flattened row by row; split: one backward node
+        parts = [self.run(h, i, w, name if name in self.lora else None)
+                 for (name, _, _), h, i, w in zip(routing.groups, hidden.split(sizes), top_k_index.split(sizes),
+                                                  top_k_weights.split(sizes), strict=True)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def run(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -196,12 +196,15 @@ class LoRALinear(nn.Module):
             return self.plus_delta(y, x, routing.groups[0][0])
         if not torch.is_grad_enabled() and (dense := self._dense(routing, x)) is not None:
             return self._plus_dense(y, x, routing, dense)
-        # A layer may see the batch's tokens flattened row by row (a MoE block's shared expert): a row's slice is
-        # then its tokens.
-        per_row = x.shape[0] // routing.rows
-        parts = [self.plus_delta(y[lo * per_row:hi * per_row], x[lo * per_row:hi * per_row], name)
-                 if name in self.lora else y[lo * per_row:hi * per_row] for name, lo, hi in routing.groups]
-        return torch.cat(parts)
+        # Rows are counted in the batch's tokens flattened row by row: a row of a padded batch is its positions, a
+        # row of a packed sequence one token; a layer may see the tokens already flattened (a MoE shared expert).
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        # Split, not sliced: one backward node for every group, where a slice's gradient is the whole batch's size.
+        sizes = routing.sizes(flat_x.shape[0])
+        parts = [self.plus_delta(y_part, x_part, name) if name in self.lora else y_part
+                 for (name, _, _), y_part, x_part in zip(routing.groups, flat_y.split(sizes), flat_x.split(sizes),
+                                                         strict=True)]
+        return torch.cat(parts).view(y.shape)
 
 
 @dataclass(frozen=True)
@@ -232,12 +235,13 @@ def with_tied_input_side(embeds: torch.Tensor, ids: torch.Tensor, head: LoRALine
     routing = head.router.active(head.lora.scaling)
     if routing is None:
         return embeds
+    flat, flat_ids = embeds.reshape(-1, embeds.shape[-1]), ids.reshape(-1)
+    sizes = routing.sizes(flat.shape[0])  # rows counted as in ``LoRALinear.forward``
     parts = []
-    for name, lo, hi in routing.groups:
-        part = embeds[lo:hi]
+    for (name, _, _), part, part_ids in zip(routing.groups, flat.split(sizes), flat_ids.split(sizes), strict=True):
         if name in head.lora:
             (a, b), = head.lora.pairs[name]
-            rows = nn.functional.embedding(ids[lo:hi], b)
+            rows = nn.functional.embedding(part_ids, b)
             part = part + (rows @ a).to(part.dtype) * head.lora.scaling[name]
         parts.append(part)
-    return torch.cat(parts)
+    return torch.cat(parts).view(embeds.shape)

@@ -32,9 +32,28 @@ class Routing:
                 groups.append((name, row, row + 1))
         return Routing(tuple(groups))
 
+    @staticmethod
+    def spans(names: list[str | None], sizes: list[int]) -> Routing:
+        """The routing of a packed sequence: datum ``i`` is ``sizes[i]`` consecutive tokens through ``names[i]``, and
+        each token counts as a row (``adapters.trainer.packing``). Rows are sorted by adapter as for ``of``."""
+        groups: list[tuple[str | None, int, int]] = []
+        end = 0
+        for name, size in zip(names, sizes, strict=True):
+            if groups and groups[-1][0] == name:
+                groups[-1] = (name, groups[-1][1], end + size)
+            else:
+                groups.append((name, end, end + size))
+            end += size
+        return Routing(tuple(groups))
+
     @property
     def rows(self) -> int:
         return self.groups[-1][2]
+
+    def sizes(self, tokens: int) -> list[int]:
+        """Each group's share of ``tokens`` positions, the batch flattened row by row (a row: ``tokens // rows``)."""
+        per_row = tokens // self.rows
+        return [(hi - lo) * per_row for _, lo, hi in self.groups]
 
 
 class Router:
@@ -54,9 +73,12 @@ class Router:
             self._row_groups = (key, table)
         return self._row_groups[1]
 
-    def routing(self, names: list[str | None] | None):
-        """A context in which rows go through ``names`` (None: every row through the base model)."""
-        return self.restored(Routing.of(names) if names else None)
+    def routing(self, names: list[str | None] | None, sizes: list[int] | None = None):
+        """A context in which rows go through ``names`` (None: every row through the base model); with ``sizes``, a
+        packed sequence whose datum ``i`` is ``sizes[i]`` tokens (``Routing.spans``)."""
+        if not names:
+            return self.restored(None)
+        return self.restored(Routing.of(names) if sizes is None else Routing.spans(names, sizes))
 
     @contextmanager
     def restored(self, routing: Routing | None) -> Iterator[None]:

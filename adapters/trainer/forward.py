@@ -131,13 +131,16 @@ class MixedForward:
         with torch.set_grad_enabled(trains):
             rows = [ready[datums[i][0]][1].data[datums[i][1]] for i in mine] or [IDLE_ROW]
             names = [ready[datums[i][0]][2].name for i in mine] or [None]
-            hidden, probe = self.passes.hidden(rows, names)
-            scores = self._scores(ready, [datums[i] for i in mine], hidden)
+            hidden, probes = self.passes.hidden(rows, names, self._row_groups(mine))
+            # One split into datums (a single backward node), never a slice per datum: a slice's gradient is the
+            # whole batch's size, which made backward quadratic in the number of datums.
+            pieces = hidden.split([rows[row].tokens.size for row in range(len(mine))]) if mine else ()
+            scores = self._scores(ready, [datums[i] for i in mine], pieces)
             for row, i in enumerate(mine):
                 position, offset = datums[i]
                 part = parts[position]
                 if part.error is None:
-                    self._datum_loss(ready[position], offset, hidden[row], part, scores.get(row))
+                    self._datum_loss(ready[position], offset, pieces[row], part, scores.get(row))
             for position, part in enumerate(parts):
                 self._close_part(ready[position][1], part)
             failed, losses = self._agree(parts)
@@ -150,7 +153,7 @@ class MixedForward:
                 if parts[position].total is not None:
                     trained.append(parts[position].total)
             if learning:
-                self._backward(trained, learning, hidden, probe)
+                self._backward(trained, learning, hidden, probes)
         answers = self.shards.gather([(p.outputs, p.custom.tally() if p.custom else None,
                                        p.error if failed[i] else None) for i, p in enumerate(parts)])
         if answers is None:
@@ -170,7 +173,17 @@ class MixedForward:
                                          metrics=metrics, seconds=seconds,
                                          num_tokens=int(sum(d.tokens.size for d in request.data)))
 
-    def _scores(self, ready: list[Ready], rows: list[tuple[int, int]], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _row_groups(self, mine: list[int]) -> list[list[int]] | None:
+        """The forwards a shard runs its datums of a recurrent family in (``ModelPasses.hidden``): None, the default
+        length buckets, on a plain trainer; one padded forward of all its datums on a sharded one. FSDP2's collectives
+        went out of step between shards when a pass ran the decoder several times (the shards hung in backward), so
+        a sharded trainer keeps one forward per pass for these families and pays their padding."""
+        if self.passes.packs or not self.shards.sharded:
+            return None
+        return [list(range(max(len(mine), 1)))]  # a shard with no datum runs IDLE_ROW
+
+    def _scores(self, ready: list[Ready], rows: list[tuple[int, int]],
+                hidden: tuple[torch.Tensor, ...]) -> dict[int, torch.Tensor]:
         """The target logprobs of ``rows`` (request position, datum offset; row i of ``hidden``), each request's
         datums scored together (``ModelPasses.target_logprobs_together``), by row. A request whose targets or
         scoring fail is left out: its datums are scored one by one in ``_datum_loss``, where the failure is that
@@ -185,7 +198,7 @@ class MixedForward:
             try:
                 targets = [torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device) for d in data]
                 scored = self.passes.target_logprobs_together(
-                    [hidden[row, : d.tokens.size] for row, d in zip(mine, data, strict=True)], adapter.name, targets)
+                    [hidden[row] for row in mine], adapter.name, targets)
             except Exception:  # noqa: BLE001, S112 - said by _datum_loss, which scores each datum alone
                 continue
             scores.update(zip(mine, scored, strict=True))
@@ -202,7 +215,7 @@ class MixedForward:
         try:
             if target_logprobs is None:
                 targets = torch.tensor(d.loss_fn_inputs["target_tokens"], device=self.device)
-                target_logprobs = self.passes.target_logprobs(hidden[: d.tokens.size], adapter.name, targets)
+                target_logprobs = self.passes.target_logprobs(hidden, adapter.name, targets)
             inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
             if custom is not None:
                 part.custom = part.custom or CustomLossBatch(custom)
@@ -247,13 +260,13 @@ class MixedForward:
         return [bool(status[i, 1] > 0) or not math.isfinite(losses[i]) for i in range(len(parts))], losses
 
     def _backward(self, trained: list[torch.Tensor], learning: list[torch.nn.Parameter], hidden: torch.Tensor,
-                  probe: torch.Tensor | None) -> None:
+                  probes: list[torch.Tensor]) -> None:
         """Gradients of the learning adapters only (the layers concatenate every adapter's rows, so a plain backward
         would also reach the adapters only being read), summed over the shards and added to theirs only once the
-        whole backward has succeeded. A sharded trainer's shards all go through every layer (``probe``), also one
-        whose datums train nothing, for the collectives of the layers' backward."""
+        whole backward has succeeded. A sharded trainer's shards all go through every layer of every forward
+        (``probes``), also one whose datums train nothing, for the collectives of the layers' backward."""
         root = torch.stack(trained).sum() if trained else hidden.sum() * 0.0
-        inputs = learning + ([probe] if probe is not None else [])
+        inputs = learning + probes
         grads = list(torch.autograd.grad(root, inputs, allow_unused=True))[: len(learning)]
         if self.shards.world > 1:  # every shard sums the same list, a gradient it has none of as zeros
             grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(learning, grads, strict=True)]

@@ -1,5 +1,6 @@
-"""How the trainer runs its base model with the adapters on it: a batch's final hidden states (each row through its
-own adapter, on a sharded trainer inside the FSDP2 root module's call), a datum's target logprobs scored in chunks so
+"""How the trainer runs its base model with the adapters on it: a batch's final hidden states, packed without
+padding (each datum through its own adapter, ``adapters.trainer.packing``; on a sharded trainer inside the FSDP2
+root module's call), a datum's target logprobs scored in chunks so
 that a long datum never holds all of its logits at once, and scoring without gradients. ``adapters.trainer.forward``
 builds the training passes on these."""
 
@@ -10,6 +11,7 @@ import torch
 
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
+from adapters.trainer.packing import Packing, buckets, is_recurrent, use_packed_attention
 from adapters.trainer.recompute import LayerRecompute
 from adapters.trainer.shards import Shards
 from shims.tinker.training_wire import DatumArrays
@@ -38,17 +40,59 @@ class ModelPasses:
         self.shards = shards
         self.device = shards.device
         self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
+        self.packs = not is_recurrent(model.base)
+        """Whether batches run as one packed sequence (``adapters.trainer.packing``), else as padded length buckets."""
+        if self.packs:
+            use_packed_attention(model.base)
 
-    def hidden(self, data: list[DatumArrays], names: list[str | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final hidden states of a right-padded batch, row ``i`` through adapter ``names[i]`` (None: the base
-        model; padded positions are masked out and never read), run inside the sharded model's root call
-        (``Shards.through_root``). And on a sharded trainer's pass that trains, the input embeddings as a leaf that
-        needs a gradient, so that every shard's backward reaches the first layer (None otherwise)."""
-        probe: list[torch.Tensor] = []
-        hidden = self.shards.through_root(self.base, lambda: self._hidden(data, names, probe))
-        return hidden, probe[0] if probe else None
+    def hidden(self, data: list[DatumArrays], names: list[str | None],
+               groups: list[list[int]] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final hidden states of ``data``, datum ``i`` through adapter ``names[i]`` (None: the base model), packed:
+        ``[real tokens, hidden]``, datum after datum (``adapters.trainer.packing``), run inside the sharded model's
+        root call (``Shards.through_root``). A family that packs runs one packed sequence; a recurrent one runs
+        padded rows in ``groups`` (indices into ``data``, one forward each), by default length buckets. And on a
+        sharded trainer's pass that trains, each forward's input embeddings as a leaf that needs a gradient, so that
+        every shard's backward reaches the first layer (none otherwise)."""
+        probes: list[torch.Tensor] = []
+        if self.packs:
+            run = lambda: self._packed(data, names, probes)  # noqa: E731
+        else:
+            run = lambda: self._in_rows(data, names, groups, probes)  # noqa: E731
+        return self.shards.through_root(self.base, run), probes
 
-    def _hidden(self, data: list[DatumArrays], names: list[str | None], probe: list[torch.Tensor]) -> torch.Tensor:
+    def _packed(self, data: list[DatumArrays], names: list[str | None], probes: list[torch.Tensor]) -> torch.Tensor:
+        lengths = [d.tokens.size for d in data]
+        ids = torch.from_numpy(np.concatenate([d.tokens for d in data]).astype(np.int64)).to(self.device)[None]
+        packing = Packing(lengths, self.device)
+        with self.model.router.routing(names, lengths), self.recompute.for_pass(packing.tokens):
+            embeds = self._embeds(ids, probes)
+            # No cache: a training pass reads none, and a layer recomputed in backward must not append to one twice.
+            return self.base.get_decoder()(inputs_embeds=embeds, position_ids=packing.positions, use_cache=False,
+                                           packing=packing).last_hidden_state[0]
+
+    def _in_rows(self, data: list[DatumArrays], names: list[str | None], groups: list[list[int]] | None,
+                 probes: list[torch.Tensor]) -> torch.Tensor:
+        if groups is None:
+            groups = buckets([d.tokens.size for d in data])
+        pieces: list[torch.Tensor] = []
+        order: list[int] = []
+        for group in groups:
+            rows = [data[i] for i in group]
+            out = self._rows(rows, [names[i] for i in group], probes)
+            longest = out.shape[1]
+            real = torch.cat([torch.arange(d.tokens.size) + r * longest for r, d in enumerate(rows)])
+            pieces.append(out.reshape(-1, out.shape[-1]).index_select(0, real.to(out.device)))
+            order.extend(group)
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if order == sorted(order):
+            return flat
+        starts = np.cumsum([0] + [data[i].tokens.size for i in order])
+        where = {i: k for k, i in enumerate(order)}
+        back = torch.cat([torch.arange(starts[where[i]], starts[where[i] + 1]) for i in range(len(data))])
+        return flat.index_select(0, back.to(flat.device))
+
+    def _rows(self, data: list[DatumArrays], names: list[str | None], probes: list[torch.Tensor]) -> torch.Tensor:
+        """``[rows, longest, hidden]`` of right-padded rows (padded positions masked out, never read)."""
         longest = max(d.tokens.size for d in data)
         ids = torch.zeros((len(data), longest), dtype=torch.long)
         mask = torch.zeros((len(data), longest), dtype=torch.long)
@@ -57,14 +101,17 @@ class ModelPasses:
             mask[i, : d.tokens.size] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with self.model.router.routing(names), self.recompute.for_pass(ids.numel()):
-            embeds = self.base.get_input_embeddings()(ids)
-            if self.shards.sharded and torch.is_grad_enabled():
-                embeds = embeds.detach().requires_grad_(True)
-                probe.append(embeds)
-            if self.model.tied:
-                embeds = with_tied_input_side(embeds, ids, self.head)
-            # No cache: a training pass reads none, and a layer recomputed in backward must not append to one twice.
+            embeds = self._embeds(ids, probes)
             return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask, use_cache=False).last_hidden_state
+
+    def _embeds(self, ids: torch.Tensor, probes: list[torch.Tensor]) -> torch.Tensor:
+        embeds = self.base.get_input_embeddings()(ids)
+        if self.shards.sharded and torch.is_grad_enabled():
+            embeds = embeds.detach().requires_grad_(True)
+            probes.append(embeds)
+        if self.model.tied:
+            embeds = with_tied_input_side(embeds, ids, self.head)
+        return embeds
 
     def score(self, data: DatumArrays | None, name: str | None, targets: list[int]) -> list[float] | None:
         """Logprobs of ``targets`` after ``data`` through adapter ``name`` (None: the base model), without
@@ -76,7 +123,7 @@ class ModelPasses:
                 logprobs, error = None, None
                 if data is not None:
                     try:
-                        logprobs = self.target_logprobs(hidden[0], name, torch.tensor(targets, device=self.device))
+                        logprobs = self.target_logprobs(hidden, name, torch.tensor(targets, device=self.device))
                     except Exception as exc:  # noqa: BLE001 - said to the other shards, then raised
                         error = exc
         except Exception as exc:
@@ -98,9 +145,9 @@ class ModelPasses:
         if n <= size:
             return self._score(hidden, flat, name).reshape(targets.shape)
         recompute = torch.is_grad_enabled()
-        chunks = [torch.utils.checkpoint.checkpoint(self._score, hidden[i:i + size], flat[i:i + size], name,
-                                                    use_reentrant=False)
-                  if recompute else self._score(hidden[i:i + size], flat[i:i + size], name) for i in range(0, n, size)]
+        chunks = [torch.utils.checkpoint.checkpoint(self._score, part, part_targets, name, use_reentrant=False)
+                  if recompute else self._score(part, part_targets, name)
+                  for part, part_targets in zip(hidden.split(size), flat.split(size), strict=True)]
         return torch.cat(chunks).reshape(targets.shape)
 
     def target_logprobs_together(self, hiddens: list[torch.Tensor], name: str | None,
