@@ -376,8 +376,34 @@ def test_a_value_on_another_device_and_a_loss_past_its_time_are_user_errors():
     with pytest.raises(UserError, match="made a tensor on device meta"):
         run_graph(node("call_method", "m", "to", [X, "meta"]), node("call_method", "s", "sum", [{"ref": "m"}]))
     chain = [node("call_function", f"e{i}", "torch.exp", [X]) for i in range(5)]
-    with pytest.raises(UserError, match=r"ran longer than 1e-09 s \(at node 'e0'.*--custom-loss-max-seconds"):
+    with pytest.raises(UserError, match=r"ran longer than 1e-09 s, forward and backward of all its datums together "
+                                        r"\(at node 'e0'.*--custom-loss-max-seconds"):
         run_graph(*chain, limits=CustomLossLimits(max_seconds=1e-9))
+
+
+def test_the_time_limit_is_the_whole_requests_forward_and_backward(monkeypatch):
+    """--custom-loss-max-seconds bounds one request: its datums' steps and the loss's backward share one deadline
+    (it bounded each datum's forward alone, so a request of many datums, and any backward, ran unbounded)."""
+    import shims.custom_loss.batch as batch_module
+    import shims.custom_loss.run as run_module
+
+    now = [100.0]
+    monkeypatch.setattr(run_module.time, "monotonic", lambda: now[0])
+    assert batch_module.time is run_module.time
+    loss = compile_custom_loss("l", INPUTS, graph(node("call_method", "s", "sum", [X])), CustomLossLimits(max_seconds=5))
+    batch = CustomLossBatch(loss)
+    logprobs = [torch.zeros(4, requires_grad=True) * 1.0 for _ in range(3)]
+    totals = [batch.datum(logprobs[0], {})]
+    now[0] += 4  # within the request's 5 s
+    totals.append(batch.datum(logprobs[1], {}))
+    now[0] += 2  # past it: the next datum fails, though it alone took no time
+    with pytest.raises(UserError, match=r"ran longer than 5 s, forward and backward of all its datums together"):
+        batch.datum(logprobs[2], {})
+    with pytest.raises(UserError, match=r"at its backward; --custom-loss-max-seconds"):
+        batch.gradients(torch.stack(totals).sum(), logprobs[:2])
+    now[0] -= 2  # in time again: the backward runs, once, down to the logprobs
+    grads = batch.gradients(torch.stack(totals).sum(), logprobs[:2])
+    assert all(torch.equal(g, torch.ones(4)) for g in grads)
 
 
 INDEXED_UNDER_A_MEMORY_CAP = """

@@ -242,10 +242,15 @@ class MixedForward:
         if not part.total.requires_grad:
             part.error = UserError(f"custom loss {custom.name!r} does not depend on logprobs, so it has no gradient")
             return
-        try:  # through the loss's own steps only, down to the logprobs; the shared backward comes later
-            torch.autograd.grad(part.total, part.logprobs, retain_graph=True, allow_unused=True)
-        except Exception as exc:  # noqa: BLE001 - the client's loss failed in backward
+        try:  # through the loss's own steps only, down to the logprobs, once, within the request's time
+            grads = part.custom.gradients(part.total, part.logprobs)
+        except Exception as exc:  # noqa: BLE001 - the client's loss failed in backward, or ran out of time
             part.error = _failed(request, exc)
+            return
+        # The shared backward starts from the logprobs: a surrogate whose gradient is the loss's, so the client's
+        # loss graph never runs backward again (nor unbounded) inside the shared backward.
+        part.total = torch.stack([(lp * g).sum() for lp, g in zip(part.logprobs, grads, strict=True)
+                                  if g is not None]).sum()
 
     def _agree(self, parts: list[_Part]) -> tuple[list[bool], list[float]]:
         """Which requests failed on any shard, or have a loss that is not finite, and each request's loss summed

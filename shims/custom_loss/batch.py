@@ -3,12 +3,13 @@ shards of a sharded trainer that each ran some of the request's datums (``adapte
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from shims.custom_loss.graph import CustomLoss
-from shims.custom_loss.run import run_datum
+from shims.custom_loss.run import over_time, run_datum
 
 
 class CustomLossBatch:
@@ -17,15 +18,43 @@ class CustomLossBatch:
 
     def __init__(self, loss: CustomLoss) -> None:
         self.loss = loss
+        self.deadline = time.monotonic() + loss.limits.max_seconds
+        """The request's custom-loss time, forward and backward of every datum, runs out then."""
         self._sums: dict[str, float] = {}
         self._count = 0
 
     def datum(self, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        total, metrics = run_datum(self.loss, logprobs, inputs)
+        total, metrics = run_datum(self.loss, logprobs, inputs, self.deadline)
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
         self._count += 1
         return total
+
+    def gradients(self, total: torch.Tensor, logprobs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradient of the request's loss ``total`` with respect to each datum's ``logprobs``: the loss's own
+        backward, run once, within the request's time (checked before each of its backward nodes; each is bounded
+        as its step was). The trainer takes the model's side of backward from these (``adapters.trainer.forward``)."""
+        stops = {lp.grad_fn for lp in logprobs}
+        handles = []
+
+        def check(_grads: tuple) -> None:
+            if time.monotonic() > self.deadline:
+                raise over_time(self.loss, "its backward")
+
+        seen: set = set()
+        pending = [total.grad_fn]
+        try:
+            while pending:  # the loss's own nodes: from its result down to the logprobs, never into the model
+                node = pending.pop()
+                if node is None or node in seen or node in stops:
+                    continue
+                seen.add(node)
+                handles.append(node.register_prehook(check))
+                pending.extend(next_node for next_node, _ in node.next_functions)
+            return list(torch.autograd.grad(total, logprobs, allow_unused=True))
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def tally(self) -> tuple[dict[str, float], int]:
         """The metric sums and the datums counted so far: what ``combined_metrics`` reduces, also across the shards

@@ -33,10 +33,11 @@ class CustomLossLimits:
     """Tensor elements one datum's loss may compute, all its steps together (2**26 float32 values: 256 MiB)."""
     max_seconds: float = option(
         10.0, flag="--custom-loss-max-seconds", check=ABOVE_ZERO,
-        help="most seconds a custom loss may take for one datum, all its steps together; a loss that takes longer "
-             "fails its own request (default: %(default)s)")
-    """Time one datum's loss may take, all its steps together; checked after each step (each step is bounded by
-    ``max_elements``, so one step cannot run long)."""
+        help="most seconds a request's custom loss may take, forward and backward, over all its datums together; "
+             "a loss that takes longer fails its own request (default: %(default)s)")
+    """Time one request's custom loss may take on a trainer, every datum's steps and the loss's backward together;
+    checked after each step and before each backward node (each step is bounded by ``max_elements``, and the
+    allowed operations cost about their elements, so no one step runs long)."""
 
     def encoded_bytes(self) -> int:
         """A bound on the encoded size of a graph within these limits (each node's fixed fields, each constant at

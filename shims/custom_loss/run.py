@@ -103,10 +103,11 @@ class _Datum:
     from K steps), so each distinct container is looked at once: sizing and checking cost what the values really
     are, not what they would be written out."""
 
-    def __init__(self, loss: CustomLoss, device: torch.device) -> None:
+    def __init__(self, loss: CustomLoss, device: torch.device, deadline: float) -> None:
         self.loss, self.limits, self.device = loss, loss.limits, device
         self.used = 0
-        self.deadline = time.monotonic() + self.limits.max_seconds
+        self.deadline = deadline
+        """When the request's custom-loss time runs out (``time.monotonic``; ``CustomLossBatch``)."""
         self._sizes: dict[int, tuple[Any, int, int]] = {}
         """id → (the container, kept so its id stays its own; Python values in it; tensor elements in it)."""
         self._counted: dict[int, Any] = {}
@@ -174,8 +175,7 @@ class _Datum:
         if self.used > self.limits.max_elements:
             raise self._over(where, self.used)
         if time.monotonic() > self.deadline:
-            raise UserError(f"custom loss {self.loss.name!r}: one datum's loss ran longer than "
-                            f"{self.limits.max_seconds} s (at {where}; --custom-loss-max-seconds)")
+            raise over_time(self.loss, where)
 
     def _new_elements(self, value: Any) -> int:
         if id(value) in self._counted:
@@ -258,12 +258,19 @@ def _call(step: Step, args: tuple, kwargs: dict, device: torch.device) -> tuple[
     return fn, (args, kwargs)
 
 
-def run_datum(loss: CustomLoss, logprobs: torch.Tensor,
-              inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-    """One datum's ``(loss, metrics)``; ``inputs`` passed ``check_custom_datum``."""
+def over_time(loss: CustomLoss, where: str) -> UserError:
+    """The error of a request whose custom loss ran out of its time (``--custom-loss-max-seconds``)."""
+    return UserError(f"custom loss {loss.name!r}: the request's custom loss ran longer than {loss.limits.max_seconds} "
+                     f"s, forward and backward of all its datums together (at {where}; --custom-loss-max-seconds)")
+
+
+def run_datum(loss: CustomLoss, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+              deadline: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One datum's ``(loss, metrics)``; ``inputs`` passed ``check_custom_datum``. ``deadline``: when the request's
+    custom-loss time runs out (``time.monotonic``; default: ``max_seconds`` from now)."""
     device, n = logprobs.device, logprobs.shape[0]
     values: list[Any] = [logprobs, *(_as_rank(inputs[name], rank, n) for name, rank in loss.inputs[1:])]
-    budget = _Datum(loss, device)
+    budget = _Datum(loss, device, time.monotonic() + loss.limits.max_seconds if deadline is None else deadline)
     for step in loss.steps:
         where = f"node {step.name!r} ({step.target})"
         args = tuple(_resolve(a, values, device) for a in step.args)
