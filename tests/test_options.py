@@ -140,8 +140,9 @@ def test_paths_are_expanded_and_made_absolute(monkeypatch, tmp_path):
 
 
 BAD = {  # a value each checked option refuses
-    "--samplers": "0", "--max-batch-tokens": "0", "--max-adapters": "0", "--max-adapters-per-key": "0",
-    "--max-pending-per-key": "0", "--sampler-batch": "0", "--max-resident-adapters": "0", "--max-num-samples": "0",
+    "--samplers": "0", "--max-batch-tokens": "0", "--max-batch-datums": "0", "--max-adapters": "0",
+    "--max-adapters-per-key": "0", "--max-pending-per-key": "0", "--sampler-batch": "0", "--max-resident-adapters": "0",
+    "--max-num-samples": "0",
     "--max-logprobs-k": "-1", "--max-logprobs": "-1", "--max-stop-strings": "-1", "--max-temperature": "-0.5",
     "--custom-loss-max-nodes": "0", "--custom-loss-max-nesting": "0", "--custom-loss-max-constants": "0",
     "--custom-loss-max-elements": "0", "--max-custom-losses-per-key": "0", "--drift-probe-every": "-1",

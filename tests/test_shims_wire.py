@@ -158,3 +158,20 @@ def test_float_inputs_sent_as_integers_are_refused_like_integer_inputs_sent_as_f
     with pytest.raises(UserError, match="target_tokens must be int64, got float32"):
         check_datum("cross_entropy", 0, tokens, {"target_tokens": np.arange(4, dtype=np.float32),
                                                  "weights": np.ones(4, np.float32)}, vocab_size=512, max_context=2048)
+
+
+def test_a_request_of_more_datums_than_a_batch_may_hold_is_refused_before_they_are_decoded(monkeypatch):
+    """200,000 one-token datums (14 MB) took ~10 s of Python to decode, holding the GIL the event loop needs: a
+    request over --max-batch-datums is refused by its count alone, and not one datum is decoded."""
+    import shims.tinker.training_wire as wire
+
+    data = [types.Datum(model_input=types.ModelInput.from_ints([5]),
+                        loss_fn_inputs={"target_tokens": np.array([6], np.int64)}) for _ in range(101)]
+    decoded = []
+    original = wire.tokens_from_chunks
+    monkeypatch.setattr(wire, "tokens_from_chunks", lambda chunks: decoded.append(1) or original(chunks))
+    with pytest.raises(RejectedRequest, match=r"holds 101 datums, more than one batch may \(--max-batch-datums 100\)"):
+        decode_forward_backward(sdk_bytes(data), DatumLimits(max_context=2048, max_columns=64, max_datums=100))
+    assert not decoded
+    assert len(decode_forward_backward(sdk_bytes(data[:100]), DatumLimits(2048, 64, max_datums=100)).data) == 100
+    assert len(decoded) == 100

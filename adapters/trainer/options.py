@@ -48,6 +48,10 @@ class TrainerOptions:
         131072, check=at_least(1),
         help="most input tokens in one trainer batch; forward_backward calls of different training runs waiting "
              "together share a batch up to this size, and a single larger call is refused (default: %(default)s)")
+    max_batch_datums: int = option(
+        32768, check=at_least(1),
+        help="most datums in one trainer batch; calls waiting together share a batch up to this many, and a single "
+             "call with more is refused before its datums are decoded (default: %(default)s)")
     max_adapters: int = option(
         64, "most training runs (LoRA adapters) held at once per base model (default: %(default)s)", check=at_least(1))
     activation_checkpointing_tokens: int = option(

@@ -115,10 +115,11 @@ class TrainerPool:
         return run
 
     def _admit(self, pending: list[StepRequest | OptimRequest]) -> int:
-        count, tokens = 0, 0
+        count, tokens, datums = 0, 0, 0
         for request in pending:
             tokens += _tokens(request)
-            if count and tokens > self.options.max_batch_tokens:
+            datums += len(request.data) if isinstance(request, StepRequest) else 0
+            if count and (tokens > self.options.max_batch_tokens or datums > self.options.max_batch_datums):
                 break
             count += 1
         return count
@@ -138,6 +139,9 @@ class TrainerPool:
                 raise UserError(f"this request holds {tokens} input tokens, more than one batch may "
                                 f"(--max-batch-tokens {self.options.max_batch_tokens}); send fewer or shorter datums "
                                 "per call")
+            if len(request.data) > self.options.max_batch_datums:
+                raise UserError(f"this request holds {len(request.data)} datums, more than one batch may "
+                                f"(--max-batch-datums {self.options.max_batch_datums}); send fewer per call")
             return await self.batches[base_model].submit(request)  # type: ignore[return-value]
 
     async def optim_step(self, base_model: str, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:

@@ -52,10 +52,13 @@ class ForwardBackwardBatch:
 @dataclass(frozen=True)
 class DatumLimits:
     """What any datum may be on this server: at most ``max_context`` tokens (the longest context of the served base
-    models; each model's own is checked by the trainer) and ``max_columns`` per loss input row."""
+    models; each model's own is checked by the trainer) and ``max_columns`` per loss input row; and how many datums
+    one request may hold."""
 
     max_context: int
     max_columns: int
+    max_datums: int = 32768
+    """Most datums in one request (``--max-batch-datums``): refused by count before any datum is decoded."""
 
 
 def decode_forward_backward(body: bytes, limits: DatumLimits) -> ForwardBackwardBatch:
@@ -74,6 +77,9 @@ def decode_forward_backward(body: bytes, limits: DatumLimits) -> ForwardBackward
         raise UserError("model_id is required")
     if not msg.data:
         raise RejectedRequest("forward_backward needs at least one datum", msg.model_id, msg.seq_id, msg.forward_only)
+    if len(msg.data) > limits.max_datums:  # before decoding each one: 200k datums took ~10 s of Python
+        raise RejectedRequest(f"this request holds {len(msg.data)} datums, more than one batch may (--max-batch-datums "
+                              f"{limits.max_datums}); send fewer per call", msg.model_id, msg.seq_id, msg.forward_only)
     if msg.loss_fn_config_v2:
         config: dict[str, float | str] = {
             k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()

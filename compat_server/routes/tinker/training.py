@@ -57,7 +57,8 @@ def unzstd(body: bytes, max_mb: int) -> bytes:
 def _decode(body: bytes, compressed: bool, services: Services) -> ForwardBackwardBatch:
     max_mb = services.config.max_body_mb
     limits = DatumLimits(max_context=max(facts.max_context for facts in services.trainers.facts.values()),
-                         max_columns=services.config.sampling.max_logprobs_k)
+                         max_columns=services.config.sampling.max_logprobs_k,
+                         max_datums=services.config.trainer.max_batch_datums)
     return decode_forward_backward(unzstd(body, max_mb) if compressed else body, limits)
 
 
