@@ -170,3 +170,18 @@ def test_a_tied_models_unembedding_lora_changes_the_one_shared_matrix(tiny_model
                                 "base_model.model.model.unembed_tokens.lora_B.weight"]
     trainer.load_state("back", str(tmp_path / "exported"), with_optimizer=False)
     np.testing.assert_array_equal(logprobs(trainer, "back"), served)
+
+
+def test_a_rank_one_adapter_on_a_tied_model_is_saved_and_loads_back(tiny_model_dir, tmp_path):
+    """At rank 1 a tied unembedding's input-side tensors (the head's A and B transposed) are already contiguous, so
+    they were the head's own tensors, and safetensors refused to write names sharing memory: such runs could never
+    be checkpointed (issue 44). Saved state and sampler weights now load back to the same scores."""
+    trainer = MultiLoRATrainer(str(tiny_model_dir))
+    assert trainer.model.tied
+    trainer.create("one", LoraSpec(rank=1, seed=2))
+    trainer.forward_backward("one", [DATUM], "cross_entropy", {}, False)
+    trainer.optim_step("one", AdamHyper(learning_rate=1e-2))
+    trainer.save_state("one", str(tmp_path / "state"))
+    trainer.save_for_sampler("one", str(tmp_path / "sampler"))
+    trainer.load_state("back", str(tmp_path / "state"), with_optimizer=True)
+    np.testing.assert_array_equal(logprobs(trainer, "back"), logprobs(trainer, "one"))

@@ -110,7 +110,10 @@ class AdapterNaming:
                 out[name_a], out[name_b] = a, b
         if self.tied and self.head in tensors:
             a, b = tensors[self.head]
-            out[EMBED_A], out[EMBED_B] = b.T.contiguous(), a.T.contiguous()
+            # Copies, not ``.contiguous()``: at rank 1 the transpose is already contiguous, so it would be the head's
+            # own tensor, and safetensors refuses to write two names sharing memory.
+            out[EMBED_A] = b.T.clone(memory_format=torch.contiguous_format)
+            out[EMBED_B] = a.T.clone(memory_format=torch.contiguous_format)
         return out
 
     def _stored_path(self, path: str) -> str:
