@@ -57,9 +57,10 @@ class ServerConfig:
 
     # What one key may hold.
     max_adapters_per_key: int = option(
-        64, check=at_least(1),
+        16, check=at_least(1),
         help="most training runs one API key may have loaded at once, over all base models; unload one (or let its "
-             "session end) to create another; lower it on a server shared by many people (default: %(default)s)")
+             "session end) to create another. Below --max-adapters (64) by default, so that one key cannot take "
+             "every training slot and another tenant can always create a run (default: %(default)s)")
     max_custom_losses_per_key: int = option(
         256, "most custom losses one API key may hold; a session's go when it ends (default: %(default)s)",
         check=at_least(1))

@@ -129,11 +129,11 @@ def tiny_model_dir(model_cache) -> Path:
 
 
 SERVER_ARGS = ("--drift-probe-every", "2", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds", "1",
-               "--max-adapters", "256")
+               "--max-adapters", "256", "--max-adapters-per-key", "256")
 """Every other sample request is re-scored by the trainer, so the drift metric is exercised by the tests; TTLs down
 to a second and a sweep every second let the expiry tests run in seconds. The shared servers host every module's
 tenants for the whole run, and most clients stay open until it ends: more training runs are alive at once than one
-trainer holds by default (64)."""
+trainer holds by default (64), many of them under one key (16 by default)."""
 
 
 def _shared(name: str, start):
