@@ -5,6 +5,7 @@ hourly usage, the timeline of a session as a Perfetto-loadable trace, and the ke
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, date, datetime, timedelta
 
 from tinker import types
@@ -96,25 +97,15 @@ class AccountService:
         _, query = self.signer.sign(self._trace_grant(session_id, owner), "trace.json")
         return f"{base_url.rstrip('/')}/api/v1/sessions/{session_id}/trace.json?{query}"
 
-    def trace(self, session_id: str, grantee: str, expires: int, signature: str) -> dict:
-        """The session's requests as a Chrome/Perfetto JSON trace: one complete slice per request, one track per
-        training run or sampling client. Re-checked at download: the URL's key must still own the session."""
+    def trace_requests(self, session_id: str, grantee: str, expires: int, signature: str) -> list:
+        """The session's request records for its trace (``trace_json``), newest ``MAX_TRACE_REQUESTS``. Re-checked
+        at download: the URL's key must still own the session."""
         owner = self.records.sessions.session_owner(session_id)
         if owner is None or self.signer.grantee(owner) != grantee or not self.signer.valid(
                 self._trace_grant(session_id, owner), "trace.json", expires, signature):
             raise NotFound("this trace URL is invalid or has expired; export the trace again")
-        requests = self.records.account.session_requests(session_id, owner, MAX_TRACE_REQUESTS)
-        lanes = {lane: index + 1 for index, lane in enumerate(dict.fromkeys(r["lane"] or "other" for r in requests))}
-        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"session {session_id}"}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
-                   for lane, tid in lanes.items()]
-        for r in requests:
-            begin = datetime.fromisoformat(r["created"]).timestamp() * 1e6
-            end = datetime.fromisoformat(r["finished"]).timestamp() * 1e6 if r["finished"] else begin
-            events.append({"name": r["kind"], "cat": "request", "ph": "X", "pid": 1, "tid": lanes[r["lane"] or "other"],
-                           "ts": begin, "dur": max(end - begin, 0.0),
-                           "args": {"request_id": r["request_id"], "state": r["state"]}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        return self.records.account.session_requests(session_id, owner, MAX_TRACE_REQUESTS)
+
 
     # ---- the key itself ------------------------------------------------------------------------------------------------
     def token(self, owner: str, tokens: TokenIssuer) -> str:
@@ -140,3 +131,20 @@ class AccountService:
             raise UserError("this server runs with --auth open: keys are not registered, so there is nothing to revoke")
         self.records.tenants.revoke_key(row["id"])
         self.records.account.audit(owner, "apikey_revoke", name=row["name"])
+
+
+def trace_json(session_id: str, requests: list) -> bytes:
+    """A session's requests (``AccountService.trace_requests``) as a Chrome/Perfetto JSON trace, encoded: one
+    complete slice per request, one track per training run or sampling client. Up to 100,000 events take a second
+    or more to build and encode, so the route runs this in a worker thread, off the event loop."""
+    lanes = {lane: index + 1 for index, lane in enumerate(dict.fromkeys(r["lane"] or "other" for r in requests))}
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"session {session_id}"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+               for lane, tid in lanes.items()]
+    for r in requests:
+        begin = datetime.fromisoformat(r["created"]).timestamp() * 1e6
+        end = datetime.fromisoformat(r["finished"]).timestamp() * 1e6 if r["finished"] else begin
+        events.append({"name": r["kind"], "cat": "request", "ph": "X", "pid": 1, "tid": lanes[r["lane"] or "other"],
+                       "ts": begin, "dur": max(end - begin, 0.0),
+                       "args": {"request_id": r["request_id"], "state": r["state"]}})
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode()

@@ -3,14 +3,16 @@ usage, session trace export, and the calling key itself. HTTP only."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import date, datetime
 
-from litestar import Request, delete, get, post
+from litestar import MediaType, Request, Response, delete, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from tinker import types
 
 from compat_server.access.auth import require_key
+from compat_server.account.service import trace_json
 from compat_server.services import Services
 
 API = "/api/v1"
@@ -45,9 +47,11 @@ async def trace_export(request: Request, session_id: FromPath[str], owner: Named
 
 @get(f"{API}/sessions/{{session_id:str}}/trace.json")
 async def trace_download(session_id: FromPath[str], expires: FromQuery[int], grantee: FromQuery[str],
-                         signature: FromQuery[str], services: NamedDependency[Services]) -> dict:
-    """Needs no API key: the URL's signature is the permission, re-checked against the session as it is now."""
-    return services.account.trace(session_id, grantee, expires, signature)
+                         signature: FromQuery[str], services: NamedDependency[Services]) -> Response[bytes]:
+    """Needs no API key: the URL's signature is the permission, re-checked against the session as it is now. The
+    trace is built and encoded in a worker thread (up to 100,000 events: seconds the event loop must not spend)."""
+    requests = services.account.trace_requests(session_id, grantee, expires, signature)
+    return Response(await asyncio.to_thread(trace_json, session_id, requests), media_type=MediaType.JSON)
 
 
 @post(f"{API}/auth/token", status_code=200)
