@@ -90,6 +90,22 @@ def poll_future(url: str, request_id: str, key: str, deadline_s: float = 120) ->
         assert time.monotonic() < deadline, f"future {request_id} did not finish"
 
 
+def one_request(url: str, key: str, model_id: str, seq_id: int, data: list[types.Datum],
+                loss_fn: str = "cross_entropy") -> str:
+    """Send ``data`` as one ``forward_backward`` request, as a client other than the SDK may (the SDK splits a call
+    into requests of at most 1,024 datums); returns its future's request id (``poll_future``). ``seq_id``: the run's
+    next, counting from 1 on a run no other client has sent to."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    request = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+        data=data, loss_fn=loss_fn), model_id=model_id, seq_id=seq_id)
+    answer = httpx.post(f"{url}/api/v1/forward_backward", timeout=120,
+                        headers={"X-API-Key": key, "Content-Type": "application/x-protobuf"},
+                        content=forward_backward_request_to_proto(request).SerializeToString())
+    assert answer.status_code == 200, answer.text
+    return answer.json()["request_id"]
+
+
 def create_doubled(server, session_id: str, key: str = "tml-hostile-attacker") -> str:
     """Issue 31, row 4's custom loss, written by hand (tracing drops Python tuples): ``t = (t,) + (t,)`` 24 times,
     2**24 leaves in 24 values, then the sum of logprobs. Created in ``session_id`` of ``key``; returns its loss id."""

@@ -24,6 +24,8 @@ from tests.helpers import (
     forward_logprobs,
     machine_cpus,
     make_datum,
+    one_request,
+    poll_future,
     train,
 )
 from tests.server import RunningServer, start_server
@@ -176,6 +178,39 @@ def test_each_shard_holds_half_of_the_base_weights(cluster, tiny_model_dir):
     assert sum(s["base_bytes"] for s in shards) == pytest.approx(whole, rel=0.02)
     # Both shards run on this machine, every pass together: each computes with half of its CPUs.
     assert [s["torch_threads"] for s in shards] == [max(1, machine_cpus() // 2)] * 2
+
+
+def test_one_long_batch_of_one_token_datums_never_takes_the_group_down(cluster):
+    """Issue 44, High 1: 2 × 2,000 tokens + 40,000 one-token datums, under --max-batch-tokens, were padded to a
+    40,002 × 2,000 rectangle that no shard could allocate inside the shared forward, which is fatal to a sharded
+    trainer: the group went down and other tenants lost acknowledged steps. Now a request of that many datums is
+    refused before it reaches the trainer, naming --max-batch-datums, and one within it (20,000 one-token datums)
+    runs packed, costing its real tokens. The victim's steps beside them all succeed and the group never restarts."""
+    server = cluster.server
+    restarts = training_metrics(server)["restarts"]
+    victim_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-shards-victim")
+    victim = victim_service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=21).result()
+    odd = tinker.ServiceClient(base_url=server.base_url, api_key=KEY).create_lora_training_client(
+        base_model=BASE_MODEL, rank=4, seed=22).result()
+    rng = np.random.default_rng(5)
+    long = [make_datum(rng.integers(0, 500, 1000).tolist(), rng.integers(0, 500, 1001).tolist()) for _ in range(2)]
+
+    def one_token(count: int) -> list[types.Datum]:
+        return [make_datum([int(a)], [int(b)]) for a, b in rng.integers(0, 500, (count, 2))]
+
+    # Each sent as one request, as a client may (the SDK would split them into requests of 1,024 datums).
+    refused = one_request(server.base_url, KEY, odd.model_id, 1, long + one_token(40_000))
+    steps = [victim.forward_backward([rl_datum(rng, "cross_entropy")], "cross_entropy")]
+    packed = one_request(server.base_url, KEY, odd.model_id, 2, long + one_token(20_000))
+    steps.append(victim.forward_backward([rl_datum(rng, "cross_entropy")], "cross_entropy"))
+    answer = poll_future(server.base_url, refused, KEY)
+    assert answer["category"] == "user" and "--max-batch-datums 32768" in answer["error"], answer
+    assert isinstance(poll_future(server.base_url, packed, KEY, deadline_s=300), bytes)
+    for step in steps:
+        assert np.isfinite(step.result().metrics["loss:sum"])
+    assert victim.optim_step(ADAM).result().metrics["grad_norm"] > 0
+    assert training_metrics(server)["restarts"] == restarts
+    victim_service.close("success")
 
 
 def test_a_dead_shard_takes_its_group_down_and_the_runs_come_back(cluster):
