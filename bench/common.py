@@ -18,6 +18,7 @@ SHAPES = {
     "qwen3-4b": (2560, 36, 32, 8, 9728, 151936),
     "qwen3-8b": (4096, 36, 32, 8, 12288, 151936),
     "cpu-mid": (1024, 4, 16, 8, 3072, 32000),
+    "cpu-768": (768, 4, 6, 2, 2048, 32000),
     # Big enough on a CPU that arithmetic, not Python, dominates a step; small enough to train here in seconds.
 }
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
