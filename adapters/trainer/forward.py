@@ -249,8 +249,11 @@ class MixedForward:
             return
         # The shared backward starts from the logprobs: a surrogate whose gradient is the loss's, so the client's
         # loss graph never runs backward again (nor unbounded) inside the shared backward.
-        part.total = torch.stack([(lp * g).sum() for lp, g in zip(part.logprobs, grads, strict=True)
-                                  if g is not None]).sum()
+        used = [(lp * g).sum() for lp, g in zip(part.logprobs, grads, strict=True) if g is not None]
+        if not used:
+            part.error = UserError(f"custom loss {custom.name!r} does not depend on logprobs, so it has no gradient")
+            return
+        part.total = torch.stack(used).sum()
 
     def _agree(self, parts: list[_Part]) -> tuple[list[bool], list[float]]:
         """Which requests failed on any shard, or have a loss that is not finite, and each request's loss summed

@@ -55,7 +55,7 @@ class _Bucket:
     count: int
     longest: int
     gather: torch.Tensor
-    """``[count × longest]``: the packed position each padded slot reads (a padding slot: its datum's first)."""
+    """``[count × longest]``: the packed position each padded slot reads (a padding slot: its datum's last)."""
     keys: torch.Tensor
     """``[count, 1, 1, longest]``: True where a slot is one of its datum's tokens."""
     full: bool
@@ -96,20 +96,25 @@ class Packing:
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
-                     packing: Packing | None = None, **_: object) -> tuple[torch.Tensor, None]:
+                     packing: Packing | None = None, softcap: float | None = None,
+                     **_: object) -> tuple[torch.Tensor, None]:
     """Attention of a packed sequence (``query`` ``[1, heads, tokens, d]``, ``key``/``value`` ``[1, kv heads,
     tokens, d]``), causal within each datum of ``packing`` and never across datums; a sliding window and attention
-    sinks (``s_aux``, gpt-oss) as the family's own attention applies them. Returns ``[1, tokens, heads, d_v]``."""
+    sinks (``s_aux``, gpt-oss) as the family's own attention applies them. Returns ``[1, tokens, heads, d_v]``.
+    Only the families of ``PACKED_FAMILIES`` reach it; a logit soft-cap, which none of them has, is refused."""
     if packing is None:
         raise RuntimeError("the packed attention was called outside a packed pass")
+    if softcap is not None:
+        raise NotImplementedError("the packed attention does not apply a logit soft-cap")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     groups = query.shape[1] // key.shape[1]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, d]
     outputs = []
     for bucket in packing.buckets:
         n, length = bucket.count, bucket.longest
+        gather, keys = bucket.gather.to(query.device), bucket.keys.to(query.device)  # no-ops on the model's device
 
-        def rows(t: torch.Tensor, n=n, length=length, gather=bucket.gather) -> torch.Tensor:
+        def rows(t: torch.Tensor, n=n, length=length, gather=gather) -> torch.Tensor:
             return t.index_select(0, gather).view(n, length, t.shape[1], t.shape[2]).transpose(1, 2)
 
         qb, kb, vb = rows(q), rows(k), rows(v)
@@ -123,7 +128,9 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         allowed = steps[None, :] <= steps[:, None]
         if sliding_window is not None:
             allowed = allowed & (steps[None, :] > steps[:, None] - sliding_window)
-        allowed = allowed[None, None] & bucket.keys  # [n, 1, length, length]
+        allowed = allowed[None, None] & keys  # [n, 1, length, length]
+        # A padding query (never read) may see every real key, so that no row is empty, whatever the window.
+        allowed = allowed | (~keys.transpose(-1, -2) & keys)
         if s_aux is None:
             out = nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling)
         else:  # a learned sink logit per head joins each row's softmax, then is dropped (gpt-oss)
@@ -139,10 +146,17 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return flat.index_select(0, packing.back)[None], None
 
 
-def is_recurrent(model: nn.Module) -> bool:
-    """Whether any layer carries a state along the sequence that transformers' layers cannot restart inside a
-    packed sequence: a Mamba mixer or a Gated DeltaNet, recognised by the causal convolution both run."""
-    return any(isinstance(getattr(module, "conv1d", None), nn.Conv1d) for module in model.modules())
+PACKED_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3"})
+"""Model types whose every token mixer is attention that ``packed_attention`` computes as the family does (causal,
+sliding windows, sinks, MLA), each checked in ``tests/test_packing.py`` against each datum run alone. Any other
+family (recurrent layers, chunked or soft-capped attention, masks with more in them) runs padded length buckets."""
+
+
+def packs(model: nn.Module) -> bool:
+    """Whether ``model``'s batches run packed: a family of ``PACKED_FAMILIES`` with no convolution in it (the causal
+    convolution of Mamba and Gated DeltaNet layers, whose state a packed sequence would carry across datums)."""
+    return (getattr(model.config, "model_type", None) in PACKED_FAMILIES
+            and not any(isinstance(module, nn.Conv1d) for module in model.modules()))
 
 
 def use_packed_attention(model: nn.Module) -> None:

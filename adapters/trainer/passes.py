@@ -11,7 +11,7 @@ import torch
 
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
-from adapters.trainer.packing import Packing, buckets, is_recurrent, use_packed_attention
+from adapters.trainer.packing import Packing, buckets, packs, use_packed_attention
 from adapters.trainer.recompute import LayerRecompute
 from adapters.trainer.shards import Shards
 from shims.tinker.training_wire import DatumArrays
@@ -40,7 +40,7 @@ class ModelPasses:
         self.shards = shards
         self.device = shards.device
         self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
-        self.packs = not is_recurrent(model.base)
+        self.packs = packs(model.base)
         """Whether batches run as one packed sequence (``adapters.trainer.packing``), else as padded length buckets."""
         if self.packs:
             use_packed_attention(model.base)
