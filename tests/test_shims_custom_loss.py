@@ -310,9 +310,9 @@ def test_a_scalar_input_decodes_from_the_sdk_wire_form():
         body = forward_backward_request_to_proto(request).SerializeToString()
         if expect is None:  # built-in losses keep one row per position
             with pytest.raises(UserError, match="beta"):
-                decode_forward_backward(body, DatumLimits(max_context=2048, max_columns=64))
+                decode_forward_backward(body, DatumLimits(max_context=2048, max_columns=64, max_datums=32768))
             continue
-        batch = decode_forward_backward(body, DatumLimits(max_context=2048, max_columns=64))
+        batch = decode_forward_backward(body, DatumLimits(max_context=2048, max_columns=64, max_datums=32768))
         assert batch.loss_fn_config == {"loss_id": "x"}
         assert batch.data[0].loss_fn_inputs["beta"].shape == expect
         assert float(batch.data[0].loss_fn_inputs["beta"]) == 0.25

@@ -12,7 +12,7 @@ from shims.provenance import RecordedSequence, Span, recorded_logprobs
 from shims.tinker.training_wire import DatumLimits, decode_forward_backward
 from tests.test_shims_wire import sdk_bytes
 
-LIMITS = DatumLimits(max_context=2048, max_columns=64)
+LIMITS = DatumLimits(max_context=2048, max_columns=64, max_datums=32768)
 
 PROMPT, SAMPLED, LOGPROBS = [5, 6, 7, 8], [20, 21, 22], [-0.5, -1.5, -2.5]
 RECORDS = {"s:sample:0:1:0": RecordedSequence(PROMPT, SAMPLED, LOGPROBS)}

@@ -22,7 +22,7 @@ from shims.tinker.training_wire import (
     encode_forward_backward_output,
 )
 
-LIMITS = DatumLimits(max_context=2048, max_columns=64)
+LIMITS = DatumLimits(max_context=2048, max_columns=64, max_datums=32768)
 
 
 def sdk_bytes(data: list[types.Datum], loss_fn="cross_entropy", config=None, seq_id=7) -> bytes:
@@ -173,5 +173,5 @@ def test_a_request_of_more_datums_than_a_batch_may_hold_is_refused_before_they_a
     with pytest.raises(RejectedRequest, match=r"holds 101 datums, more than one batch may \(--max-batch-datums 100\)"):
         decode_forward_backward(sdk_bytes(data), DatumLimits(max_context=2048, max_columns=64, max_datums=100))
     assert not decoded
-    assert len(decode_forward_backward(sdk_bytes(data[:100]), DatumLimits(2048, 64, max_datums=100)).data) == 100
+    assert len(decode_forward_backward(sdk_bytes(data[:100]), DatumLimits(max_context=2048, max_columns=64, max_datums=100)).data) == 100
     assert len(decoded) == 100

@@ -57,7 +57,7 @@ class DatumLimits:
 
     max_context: int
     max_columns: int
-    max_datums: int = 32768
+    max_datums: int
     """Most datums in one request (``--max-batch-datums``): refused by count before any datum is decoded."""
 
 
