@@ -91,6 +91,9 @@ class Packing:
                                         torch.from_numpy(keys[:, None, None, :]).to(device), bool(keys.all())))
         self.back = torch.from_numpy(first_slot[owner] + offset).to(device)
         """Each packed position's slot in the buckets' outputs, concatenated."""
+        self.uniform = len(self.buckets) == 1 and self.buckets[0].full and self.buckets[0].count == len(lengths)
+        """All datums are one bucket of equal lengths, in order: the packed sequence is already ``[datums, longest]``
+        row by row, so attention reads and writes it in place, with no gather (one datum, or a uniform batch)."""
 
 
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -108,6 +111,11 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise NotImplementedError("the packed attention does not apply a logit soft-cap")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     groups = query.shape[1] // key.shape[1]
+    if packing.uniform and s_aux is None and sliding_window is None:
+        n = packing.buckets[0].count
+        q, k, v = (t[0].unflatten(1, (n, -1)).transpose(0, 1) for t in (query, key, value))  # [n, heads, L, d]
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        return out.transpose(1, 2).reshape(1, packing.tokens, out.shape[1], out.shape[3]), None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, d]
     outputs = []
     for bucket in packing.buckets:
