@@ -67,7 +67,6 @@ class Packing:
     per pass (a few index tensors, linear in the tokens) and handed to every attention layer."""
 
     def __init__(self, lengths: list[int], device: torch.device) -> None:
-        self.lengths = lengths
         self.tokens = sum(lengths)
         sizes = np.asarray(lengths, dtype=np.int64)
         starts = np.cumsum(sizes) - sizes
@@ -126,10 +125,9 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             return t.index_select(0, gather).view(n, length, t.shape[1], t.shape[2]).transpose(1, 2)
 
         qb, kb, vb = rows(q), rows(k), rows(v)
-        if groups > 1:
-            kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
         if s_aux is None and sliding_window is None and bucket.full:  # equal lengths: the kernel's own causal mask
-            out = nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling)
+            out = nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling,
+                                                             enable_gqa=groups > 1)
             outputs.append(out.transpose(1, 2).reshape(n * length, out.shape[1], out.shape[3]))
             continue
         steps = torch.arange(length, device=query.device)
@@ -140,8 +138,11 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         # A padding query (never read) may see every real key, so that no row is empty, whatever the window.
         allowed = allowed | (~keys.transpose(-1, -2) & keys)
         if s_aux is None:
-            out = nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling)
+            out = nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling,
+                                                             enable_gqa=groups > 1)
         else:  # a learned sink logit per head joins each row's softmax, then is dropped (gpt-oss)
+            if groups > 1:
+                kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
             scores = torch.matmul(qb, kb.transpose(-1, -2)) * scaling
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
             sinks = s_aux.reshape(1, -1, 1, 1).expand(n, -1, length, 1).to(scores.dtype)

@@ -139,9 +139,6 @@ class TrainerPool:
                 raise UserError(f"this request holds {tokens} input tokens, more than one batch may "
                                 f"(--max-batch-tokens {self.options.max_batch_tokens}); send fewer or shorter datums "
                                 "per call")
-            if len(request.data) > self.options.max_batch_datums:
-                raise UserError(f"this request holds {len(request.data)} datums, more than one batch may "
-                                f"(--max-batch-datums {self.options.max_batch_datums}); send fewer per call")
             return await self.batches[base_model].submit(request)  # type: ignore[return-value]
 
     async def optim_step(self, base_model: str, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:

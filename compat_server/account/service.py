@@ -106,7 +106,6 @@ class AccountService:
             raise NotFound("this trace URL is invalid or has expired; export the trace again")
         return self.records.account.session_requests(session_id, owner, MAX_TRACE_REQUESTS)
 
-
     # ---- the key itself ------------------------------------------------------------------------------------------------
     def token(self, owner: str, tokens: TokenIssuer) -> str:
         row = self.records.tenants.key_of(owner)
