@@ -1,7 +1,8 @@
 """Peak memory of one training step against its sequence length, with and without activation checkpointing.
 
-The server as users run it: ``compat-server serve`` with its defaults (checkpointing batches from 4,096 tokens on)
-and again with ``--activation-checkpointing-tokens 0`` (every activation kept), one SDK ``forward_backward`` of one
+The server started with ``--activation-checkpointing-tokens 1`` (every training pass checkpointed) and again with
+``--activation-checkpointing-tokens 0`` (every activation kept; by default the trainer chooses between the two pass
+by pass, by the memory free: ``adapters/trainer/memory.py``), one SDK ``forward_backward`` of one
 datum per length, lengths rising. On CPU the figure is the trainer actor's peak resident memory (``VmHWM`` of its
 process, whose pid ``/api/v1/metrics`` gives an operator) above what it held once loaded; on a GPU it would be
 ``max_memory_allocated`` inside the trainer, which this script does not reach (see ``bench/RESULTS.md``).
@@ -23,7 +24,7 @@ import numpy as np
 from bench.common import model_directory, write
 
 MODES = {"kept (--activation-checkpointing-tokens 0)": ("--activation-checkpointing-tokens", "0"),
-         "checkpointed (defaults)": ()}
+         "checkpointed (--activation-checkpointing-tokens 1)": ("--activation-checkpointing-tokens", "1")}
 
 
 def main() -> None:

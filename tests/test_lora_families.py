@@ -293,6 +293,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(f
     data = [_datum(), DatumArrays(tokens=np.asarray(second[:-1]), loss_fn_inputs={
         "target_tokens": np.asarray(second[1:]), "weights": np.ones(len(second) - 1, dtype=np.float32)})]
     outcomes = {}
+    chosen = trainer.passes.recompute.min_tokens
     for recompute in (False, True):
         trainer.passes.recompute.min_tokens = 1 if recompute else 0
         for run, seed in (("a", 5), ("b", 6)):
@@ -315,7 +316,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(f
                                          for run in ("a", "b")})
         for run in ("a", "b"):
             trainer.unload(run)
-    trainer.passes.recompute.min_tokens = 0
+    trainer.passes.recompute.min_tokens = chosen
     (kept, kept_grads), (recomputed, recomputed_grads) = outcomes[False], outcomes[True]
     for mine, theirs in zip(recomputed, kept, strict=True):
         assert mine.metrics["loss:sum"] == pytest.approx(theirs.metrics["loss:sum"], rel=1e-6, abs=1e-6)
@@ -324,3 +325,48 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_in_a_mixed_batch(f
         for mine, theirs in zip(recomputed_grads[run], kept_grads[run], strict=True):
             torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5,
                                        msg=lambda m, run=run: f"{name} {run}: {m}")
+
+
+def test_the_measured_activations_per_token_predict_a_batch_and_decide_its_checkpointing(family):
+    """The trainer measures what its model keeps for backward per token when it starts (two short probe passes,
+    ``adapters.trainer.memory``). On every family that figure predicts what a mixed batch of other lengths keeps, and
+    a training pass checkpoints its layers exactly when that would exceed its share of the free memory: all of them
+    when it would not fit, none when it would."""
+    from adapters.trainer import memory
+
+    name, _, trainer = family
+    budget = trainer.passes.recompute.budget
+    assert budget is not None and budget.per_token > 0, f"{name}: no measurement ({trainer.facts.checkpointing})"
+    assert "KiB per token" in trainer.facts.checkpointing
+    lengths = [300, 37, 200, 511]
+    data = [DatumArrays(tokens=np.arange(n, dtype=np.int64) * 7 % 500 + 1, loss_fn_inputs={
+        "target_tokens": np.arange(1, n + 1, dtype=np.int64) * 7 % 500 + 1, "weights": np.ones(n, np.float32)})
+        for n in lengths]
+    trainer.create("measured", LoraSpec(rank=32, seed=2))
+    kept = []
+    for batch in (data[:1], data):  # the difference: what the further tokens keep, without what every pass keeps
+        count = [0]
+        with torch.enable_grad(), memory.counting_saved(count):
+            trainer.passes.hidden(batch, [trainer.adapters["measured"].name] * len(batch))
+        kept.append(count[0])
+    tokens = sum(lengths) - lengths[0]
+    assert (kept[1] - kept[0]) / tokens == pytest.approx(budget.per_token, rel=0.15), name
+
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return torch.utils.checkpoint.checkpoint(*args, **kwargs)
+
+    total = sum(lengths)
+    for share, checkpointed in ((1.01, False), (0.99, True)):
+        free = int(total * budget.per_token / memory.KEEP_SHARE * share)
+        calls.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("adapters.trainer.recompute.checkpoint", counted)
+            patch.setattr(memory, "available_bytes", lambda device, free=free: free)
+            [outcome] = trainer.forward_backward_batch([StepRequest("measured", data, "cross_entropy", {}, False)])
+        assert not isinstance(outcome, Exception), outcome
+        forwards = 1 if trainer.passes.packs else len(buckets(lengths))
+        assert len(calls) == (len(trainer.passes.recompute.layers) * forwards if checkpointed else 0), (name, share)
+    trainer.unload("measured")

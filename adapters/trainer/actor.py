@@ -46,6 +46,7 @@ from adapters.trainer.interface import (
     StepResult,
     read_lora_spec,
 )
+from adapters.trainer.memory import ActivationBudget, kept_per_token
 from adapters.trainer.optim import Optimizers
 from adapters.trainer.options import TrainerOptions
 from adapters.trainer.passes import ModelPasses
@@ -55,6 +56,10 @@ from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
 
 T = TypeVar("T")
+
+PROBE_RANK = 32
+"""The rank of the temporary adapter the trainer measures its activations through (``_checkpointing``): a LoRA keeps
+its ``x·Aᵀ`` per adapted layer, small beside the layer's own activations at any usual rank."""
 
 __all__ = ["LORA_ALPHA", "MAX_LORA_RANK", "AdamHyper", "DimuonHyper", "LoraSpec", "ModelFacts", "MultiLoRATrainer",
            "StepRequest", "StepResult", "read_lora_spec"]
@@ -95,6 +100,24 @@ class MultiLoRATrainer:
         self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
+        self.facts = replace(self.facts, checkpointing=self._checkpointing(options.activation_checkpointing_tokens))
+
+    def _checkpointing(self, min_tokens: int | None) -> str:
+        """Decide when passes checkpoint their layers (``adapters.trainer.memory``): by default, measure what this
+        model keeps per token through a temporary adapter of rank ``PROBE_RANK`` (every shard of a sharded trainer
+        runs the same probe passes, so their collectives match). Returns the decision in words."""
+        if min_tokens is not None:
+            return f"passes of at least {min_tokens} tokens" if min_tokens else "never"
+        probe = self.adapters.temporary(LoraSpec(rank=PROBE_RANK, seed=0))
+        try:
+            per_token = kept_per_token(lambda tokens: self.passes.hidden(
+                [DatumArrays(tokens=np.arange(tokens, dtype=np.int64) % self.facts.vocab_size)], [probe.name]))
+        finally:
+            self.adapters.discard(probe)
+        budget = ActivationBudget(per_token, self.device)
+        self.passes.recompute.budget = budget
+        return (f"passes whose activations ({per_token / 1024:.0f} KiB per token) would take over a third of the "
+                f"free memory, now over {budget.tokens_now()} tokens")
 
     # ---- adapters -------------------------------------------------------------------------------------------------
     def model_facts(self) -> ModelFacts:

@@ -125,6 +125,8 @@ class ModelFacts:
     """Bytes of memory the base model's weights hold in this process (a shard: its share)."""
     threads: int = 0
     """The torch threads this process computes with (``torch.get_num_threads()``, read in it)."""
+    checkpointing: str = ""
+    """When a training pass checkpoints its layers' activations (``adapters.trainer.memory``), in words."""
 
 
 @dataclass

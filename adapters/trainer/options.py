@@ -54,11 +54,12 @@ class TrainerOptions:
              "call with more is refused before its datums are decoded (default: %(default)s)")
     max_adapters: int = option(
         64, "most training runs (LoRA adapters) held at once per base model (default: %(default)s)", check=at_least(1))
-    activation_checkpointing_tokens: int = option(
-        4096, check=at_least(0),
+    activation_checkpointing_tokens: int | None = option(
+        None, check=at_least(0),
         help="a trainer batch of at least this many tokens (padding included) that trains keeps no decoder layer's "
-             "activations: each layer's are recomputed in backward, so memory grows with the length by about one "
-             "layer's activations; 0: never (default: %(default)s)")
+             "activations: each layer's are recomputed in backward (a third more arithmetic), so memory grows with "
+             "the length by about one layer's activations; 0: never (default: a batch whose activations would take "
+             "more than a third of the memory free on its device, measured per token when the trainer starts)")
 
     def bundle(self) -> dict[str, float]:
         """One shard's Ray resources, as a placement group bundle."""

@@ -29,9 +29,9 @@ collectives (``adapters.trainer.shards``)."""
 class ModelPasses:
     """One base model's passes, for ``MultiLoRATrainer`` (and its ``MixedForward``)."""
 
-    def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute_tokens: int) -> None:
+    def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute_tokens: int | None) -> None:
         """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
-        (``adapters.trainer.recompute``; 0: never). ``shards``: the trainer's group (a plain trainer's: world 1)."""
+        (``adapters.trainer.recompute``; 0: never; None: those whose activations would not fit in memory). ``shards``: the trainer's group (a plain trainer's: world 1)."""
         self.model = model
         self.base = model.base
         """The base model, its LoRA modules routing rows by ``model.router``."""
@@ -76,13 +76,16 @@ class ModelPasses:
             groups = buckets([d.tokens.size for d in data])
         pieces: list[torch.Tensor] = []
         order: list[int] = []
-        for group in groups:
-            rows = [data[i] for i in group]
-            out = self._rows(rows, [names[i] for i in group], probes)
-            longest = out.shape[1]
-            real = torch.cat([torch.arange(d.tokens.size) + r * longest for r, d in enumerate(rows)])
-            pieces.append(out.reshape(-1, out.shape[-1]).index_select(0, real.to(out.device)))
-            order.extend(group)
+        # Every group's activations are kept until the batch's one backward: the batch checkpoints as a whole.
+        padded = sum(len(group) * max(data[i].tokens.size for i in group) for group in groups)
+        with self.recompute.for_pass(padded):
+            for group in groups:
+                rows = [data[i] for i in group]
+                out = self._rows(rows, [names[i] for i in group], probes)
+                longest = out.shape[1]
+                real = torch.cat([torch.arange(d.tokens.size) + r * longest for r, d in enumerate(rows)])
+                pieces.append(out.reshape(-1, out.shape[-1]).index_select(0, real.to(out.device)))
+                order.extend(group)
         flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if order == sorted(order):
             return flat
@@ -100,7 +103,7 @@ class ModelPasses:
             ids[i, : d.tokens.size] = torch.tensor(d.tokens)
             mask[i, : d.tokens.size] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        with self.model.router.routing(names), self.recompute.for_pass(ids.numel()):
+        with self.model.router.routing(names):
             embeds = self._embeds(ids, probes)
             return self.base.get_decoder()(inputs_embeds=embeds, attention_mask=mask, use_cache=False).last_hidden_state
 

@@ -87,9 +87,10 @@ class TrainerPool:
                 where = f"{group.size} shards over {fact.backend}, base weights {held}"
             else:
                 where = f"{fact.device}, {fact.threads} torch threads, Ray node {fact.node[:12]}"
-            log.info("trainer ready: %s (%s, vocab %d, context %d, %s); LoRA adapts %s", name, fact.arch,
-                     fact.vocab_size, fact.max_context, where,
-                     "; ".join(f"{group}: {', '.join(names) or 'nothing'}" for group, names in fact.lora_targets.items()))
+            log.info("trainer ready: %s (%s, vocab %d, context %d, %s); LoRA adapts %s; activation checkpointing: %s",
+                     name, fact.arch, fact.vocab_size, fact.max_context, where,
+                     "; ".join(f"{group}: {', '.join(names) or 'nothing'}" for group, names in fact.lora_targets.items()),
+                     fact.checkpointing)
 
     def _restarted(self, base_model: str) -> Callable[[], Awaitable[None]]:
         async def reload() -> None:

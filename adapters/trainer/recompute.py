@@ -4,8 +4,9 @@ activations are recomputed when backward reaches it.
 Without it, backward keeps every decoder layer's activations (attention, MLP or experts, and each LoRA's ``x·Aᵀ``)
 for the whole batch, so the memory of one datum grows with its length times the number of layers; with it, by about
 one layer's activations plus one hidden state per layer. The price is one more forward pass of each layer in
-backward, which pays only where activations are large: a pass checkpoints when it holds at least ``min_tokens``
-tokens (``--activation-checkpointing-tokens``; 0: never).
+backward, which pays only where activations would not fit: by default a pass checkpoints when what it would keep
+exceeds its share of the memory free on its device (``adapters.trainer.memory``); ``--activation-checkpointing-tokens
+N`` makes it every pass of at least N tokens instead (0: never).
 
 A layer's LoRA modules read the batch's routing (``adapters.lora.routing``) when they run; the recomputation runs
 after the forward pass has left its routing, so each checkpointed layer keeps the routing it ran with and restores
@@ -22,25 +23,36 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from adapters.lora.routing import Router
+from adapters.trainer.memory import ActivationBudget
 
 
 class LayerRecompute:
     """Switches activation checkpointing of one model's decoder layers on for the passes that call for it."""
 
-    def __init__(self, base: nn.Module, router: Router, min_tokens: int) -> None:
+    def __init__(self, base: nn.Module, router: Router, min_tokens: int | None) -> None:
         self.router = router
         self.min_tokens = min_tokens
+        """Passes of at least this many tokens checkpoint (0: none); None: those whose activations do not fit
+        ``budget``."""
+        self.budget: ActivationBudget | None = None
+        """What the model keeps per token, once measured (``adapters.trainer.memory``); until then (and for a
+        probe's passes) nothing checkpoints by memory."""
         self.active = False
         """Whether the pass being run checkpoints its layers (``for_pass``)."""
         self.layers: nn.ModuleList = base.get_decoder().layers
-        if min_tokens > 0:
-            for layer in self.layers:
-                layer.forward = self._wrapped(layer.forward)
+        for layer in self.layers:
+            layer.forward = self._wrapped(layer.forward)
+
+    def checkpoints(self, tokens: int) -> bool:
+        """Whether a pass that trains over ``tokens`` tokens (padding included) checkpoints its layers."""
+        if self.min_tokens is None:
+            return self.budget is not None and not self.budget.fits(tokens)
+        return self.min_tokens > 0 and tokens >= self.min_tokens
 
     def for_pass(self, tokens: int) -> _Pass:
-        """A context for the forward of one pass over ``tokens`` tokens (padding included): checkpointed if it
-        trains and holds at least ``min_tokens``. Its backward, later, recomputes what it checkpointed by itself."""
-        return _Pass(self, self.min_tokens > 0 and torch.is_grad_enabled() and tokens >= self.min_tokens)
+        """A context for the forward of one pass over ``tokens`` tokens: checkpointed if it trains and
+        ``checkpoints`` says so. Its backward, later, recomputes what it checkpointed by itself."""
+        return _Pass(self, torch.is_grad_enabled() and self.checkpoints(tokens))
 
     def _wrapped(self, forward: Callable) -> Callable:
         def run(*args, **kwargs):

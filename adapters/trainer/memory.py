@@ -1,0 +1,102 @@
+"""Whether a training pass may keep its decoder layers' activations, decided by the memory it would take.
+
+Activation checkpointing (``adapters.trainer.recompute``) bounds a long batch's memory at the price of one more
+forward of every layer in backward: about a third more arithmetic per step. That price is worth paying only when the
+activations would not fit. A fixed token count cannot say when that is: 4,096 tokens of a 4-layer, 768-wide model
+keep about half a GiB, of a 48-layer MoE several GiB. So by default the trainer measures what its own model keeps per
+token, once, when it starts (``kept_per_token``: two short probe passes through a temporary adapter, counting the
+tensors autograd saves for backward), and a pass keeps its activations when they would take at most
+``KEEP_SHARE`` of the memory free on its device at that moment, else checkpoints (``ActivationBudget``).
+``--activation-checkpointing-tokens N`` replaces the decision by a fixed count (0: never checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import torch
+
+KEEP_SHARE = 1 / 3
+"""The share of the device's free memory a pass's kept activations may take. The rest is headroom for what backward
+allocates beside them (gradients of each layer's activations, the head's logits chunk) and for the other processes
+that share the device (samplers, other trainers), which may allocate while the pass runs."""
+
+PROBE_TOKENS = 128
+"""Tokens of the shorter probe pass; the longer has twice as many. The difference between the two is what each
+further token keeps, whatever the passes keep that does not grow with the tokens (weights saved for backward)."""
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a pass on ``device`` may still allocate: a GPU's free memory plus what torch's allocator holds unused;
+    on the CPU what the system calls available, within this process's cgroup limit (``docker run --memory``)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    available = psutil.virtual_memory().available
+    left = cgroup_memory_left()
+    return int(available if left is None else min(available, left))
+
+
+def cgroup_memory_left(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process's cgroup may still use (v2 ``memory.max`` − ``memory.current``, or v1's limit − usage), or
+    None when unlimited or unknown."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
+@contextmanager
+def counting_saved(into: list[int]):
+    """Within this block, add to ``into[0]`` the bytes of every tensor storage autograd saves for backward, each
+    storage once."""
+    seen: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            into[0] += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+
+
+def kept_per_token(forward: Callable[[int], object]) -> float:
+    """Bytes a training pass keeps for backward per token: ``forward(n)`` runs a pass over ``n`` tokens (with
+    gradients), at ``PROBE_TOKENS`` and twice that; the difference of what each kept, per token of difference."""
+    kept = []
+    for tokens in (PROBE_TOKENS, 2 * PROBE_TOKENS):
+        count = [0]
+        with torch.enable_grad(), counting_saved(count):
+            forward(tokens)
+        kept.append(count[0])
+    return max(kept[1] - kept[0], 0) / PROBE_TOKENS
+
+
+class ActivationBudget:
+    """Decides, pass by pass, whether a pass's activations fit (see the module docstring)."""
+
+    def __init__(self, per_token: float, device: torch.device) -> None:
+        self.per_token = per_token
+        """Bytes a pass keeps per token (``kept_per_token``)."""
+        self.device = device
+
+    def fits(self, tokens: int) -> bool:
+        return tokens * self.per_token <= KEEP_SHARE * available_bytes(self.device)
+
+    def tokens_now(self) -> int:
+        """The most tokens a pass may hold now and keep its activations (for the trainer's ready line)."""
+        return math.floor(KEEP_SHARE * available_bytes(self.device) / max(self.per_token, 1.0))
