@@ -3,7 +3,7 @@ rows, many short ones, an RL group of varied lengths, one long datum among many 
 with its default flags and the unmodified tinker SDK (``forward_backward`` + ``optim_step`` per step). A trainer
 whose cost is its real tokens gives every shape about the same tokens/s; each row's ratio is against the best one.
 
-    python -m bench.batch_shapes [--shape cpu-768] [--tokens 8192] [--repeats 2] [--server-flag=--x ...]
+    python -m bench.batch_shapes [--shape cpu-768] [--tokens 8192] [--repeats 3] [--server-flag=--x ...]
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main() -> None:
     parser.add_argument("--shape", default="cpu-768")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps per shape, after one not timed")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per shape (the shapes taking turns), "
+                        "after one not timed; the median is reported")
     parser.add_argument("--server-flag", action="append", default=[])
     parser.add_argument("--only", action="append", default=[], help="run only shapes whose name contains this")
     args = parser.parse_args()
@@ -60,19 +61,23 @@ def main() -> None:
     with served(directory, *args.server_flag) as server:
         service = service_client(server)
         client = service.create_lora_training_client(base_model=str(directory), rank=args.rank)
-        for index, (name, lengths) in enumerate(shapes(args.tokens).items()):
-            if args.only and not any(part in name for part in args.only):
-                continue
-            data = sdk_datums(datums(lengths, vocab, index))
-            sdk_step(client, data)
-            times = []
-            for _ in range(args.repeats):
+        picked = {name: lengths for name, lengths in shapes(args.tokens).items()
+                  if not args.only or any(part in name for part in args.only)}
+        data = {name: sdk_datums(datums(lengths, vocab, index)) for index, (name, lengths) in enumerate(picked.items())}
+        for name in picked:
+            sdk_step(client, data[name])  # not timed: the first step of each shape
+        # The shapes take turns, repeat after repeat: this machine's speed drifts by ±15% over minutes, and running
+        # each shape's steps together would hand one shape a slow minute.
+        times: dict[str, list[float]] = {name: [] for name in picked}
+        for _ in range(args.repeats):
+            for name in picked:
                 started = time.perf_counter()
-                sdk_step(client, data)
-                times.append(time.perf_counter() - started)
-            seconds = float(np.median(times))
-            rows.append({"shape": name, "datums": len(lengths), "real_tokens": sum(lengths),
-                         "seconds": seconds, "tokens_per_s": sum(lengths) / seconds})
+                sdk_step(client, data[name])
+                times[name].append(time.perf_counter() - started)
+        for name, lengths in picked.items():
+            seconds = float(np.median(times[name]))
+            rows.append({"shape": name, "datums": len(lengths), "real_tokens": sum(lengths), "seconds": seconds,
+                         "tokens_per_s": sum(lengths) / seconds, "all_seconds": [round(t, 3) for t in times[name]]})
             print(rows[-1], flush=True)
     best = max(row["tokens_per_s"] for row in rows)
     for row in rows:
