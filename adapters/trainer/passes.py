@@ -31,7 +31,8 @@ class ModelPasses:
 
     def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute_tokens: int | None) -> None:
         """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
-        (``adapters.trainer.recompute``; 0: never; None: those whose activations would not fit in memory). ``shards``: the trainer's group (a plain trainer's: world 1)."""
+        (``adapters.trainer.recompute``; 0: never; None: those whose activations would not fit in memory).
+        ``shards``: the trainer's group (a plain trainer's: world 1)."""
         self.model = model
         self.base = model.base
         """The base model, its LoRA modules routing rows by ``model.router``."""
