@@ -345,10 +345,9 @@ def test_the_measured_activations_per_token_predict_a_batch_and_decide_its_check
     trainer.create("measured", LoraSpec(rank=32, seed=2))
     kept = []
     for batch in (data[:1], data):  # the difference: what the further tokens keep, without what every pass keeps
-        count = [0]
-        with torch.enable_grad(), memory.counting_saved(count):
+        with torch.enable_grad(), memory.counting_saved() as saved:
             trainer.passes.hidden(batch, [trainer.adapters["measured"].name] * len(batch))
-        kept.append(count[0])
+        kept.append(saved.total)
     tokens = sum(lengths) - lengths[0]
     assert (kept[1] - kept[0]) / tokens == pytest.approx(budget.per_token, rel=0.15), name
 

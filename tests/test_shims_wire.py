@@ -170,8 +170,9 @@ def test_a_request_of_more_datums_than_a_batch_may_hold_is_refused_before_they_a
     decoded = []
     original = wire.tokens_from_chunks
     monkeypatch.setattr(wire, "tokens_from_chunks", lambda chunks: decoded.append(1) or original(chunks))
+    limits = DatumLimits(max_context=2048, max_columns=64, max_datums=100)
     with pytest.raises(RejectedRequest, match=r"holds 101 datums, more than one batch may \(--max-batch-datums 100\)"):
-        decode_forward_backward(sdk_bytes(data), DatumLimits(max_context=2048, max_columns=64, max_datums=100))
+        decode_forward_backward(sdk_bytes(data), limits)
     assert not decoded
-    assert len(decode_forward_backward(sdk_bytes(data[:100]), DatumLimits(max_context=2048, max_columns=64, max_datums=100)).data) == 100
+    assert len(decode_forward_backward(sdk_bytes(data[:100]), limits).data) == 100
     assert len(decoded) == 100

@@ -13,7 +13,7 @@ tensors autograd saves for backward), and a pass keeps its activations when they
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,21 +57,27 @@ def cgroup_memory_left(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     return None
 
 
-@contextmanager
-def counting_saved(into: list[int]):
-    """Within this block, add to ``into[0]`` the bytes of every tensor storage autograd saves for backward, each
-    storage once."""
-    seen: set[int] = set()
+class SavedBytes:
+    """Bytes of the tensor storages autograd saved for backward within a ``counting_saved`` block, each once."""
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def __init__(self) -> None:
+        self.total = 0
+        self._seen: set[int] = set()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            into[0] += storage.nbytes()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.total += storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield
+
+@contextmanager
+def counting_saved() -> Iterator[SavedBytes]:
+    """Within this block, count what autograd saves for backward (the tensors themselves are saved as usual)."""
+    saved = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+        yield saved
 
 
 def kept_per_token(forward: Callable[[int], object]) -> float:
@@ -79,10 +85,9 @@ def kept_per_token(forward: Callable[[int], object]) -> float:
     gradients), at ``PROBE_TOKENS`` and twice that; the difference of what each kept, per token of difference."""
     kept = []
     for tokens in (PROBE_TOKENS, 2 * PROBE_TOKENS):
-        count = [0]
-        with torch.enable_grad(), counting_saved(count):
+        with torch.enable_grad(), counting_saved() as saved:
             forward(tokens)
-        kept.append(count[0])
+        kept.append(saved.total)
     return max(kept[1] - kept[0], 0) / PROBE_TOKENS
 
 
