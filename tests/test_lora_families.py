@@ -331,7 +331,8 @@ def test_the_measured_activations_per_token_predict_a_batch_and_decide_its_check
     """The trainer measures what its model keeps for backward per token when it starts (two short probe passes,
     ``adapters.trainer.memory``). On every family that figure predicts what a mixed batch of other lengths keeps, and
     a training pass checkpoints its layers exactly when that would exceed its share of the free memory: all of them
-    when it would not fit, none when it would."""
+    when it would not fit, none when it would; and one that would not fit even checkpointed is refused before it
+    runs."""
     from adapters.trainer import memory
 
     name, _, trainer = family
@@ -368,4 +369,13 @@ def test_the_measured_activations_per_token_predict_a_batch_and_decide_its_check
         assert not isinstance(outcome, Exception), outcome
         forwards = 1 if trainer.passes.packs else len(buckets(lengths))
         assert len(calls) == (len(trainer.passes.recompute.layers) * forwards if checkpointed else 0), (name, share)
+    # Too little even checkpointed: refused before the pass (no layer runs), as on every shard of a sharded trainer.
+    free = int(total * budget.checkpointed_per_token / memory.KEEP_SHARE * 0.99)
+    calls.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("adapters.trainer.recompute.checkpoint", counted)
+        patch.setattr(memory, "available_bytes", lambda device, free=free: free)
+        [outcome] = trainer.forward_backward_batch([StepRequest("measured", data, "cross_entropy", {}, False)])
+    assert isinstance(outcome, memory.DoesNotFit) and f"{total} tokens" in str(outcome), (name, outcome)
+    assert not calls
     trainer.unload("measured")

@@ -37,6 +37,8 @@ RUNS = ((4, 1), (8, 2), (2, 3))
 ORDER = sorted(LOSSES)
 """Every built-in loss, one per run and step in turn: ``stable_reinforce`` (last) falls on run 0."""
 STEPS = -(-len(ORDER) // len(RUNS))
+SMALL_MEMORY = ("--activation-memory-mib", "64")
+"""Each shard counts on 64 MiB for a pass's activations: about 1,000 tokens of the tiny model, checkpointed."""
 
 
 def margin(logprobs, weights):
@@ -50,10 +52,15 @@ class Cluster:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.server: RunningServer | None = None
+        self.flags: tuple = ()
 
-    def start(self, shards: int) -> RunningServer:
+    def start(self, shards: int, *extra: str) -> RunningServer:
+        """The server with ``shards`` trainer shards and ``extra`` flags: the running one if it has them."""
+        if self.server is not None and self.flags == (shards, *extra):
+            return self.server
         self.stop()
-        self.server = start_server(self.data_dir, *SERVER_ARGS, "--trainer-shards", str(shards), timeout=300)
+        self.server = start_server(self.data_dir, *SERVER_ARGS, "--trainer-shards", str(shards), *extra, timeout=300)
+        self.flags = (shards, *extra)
         return self.server
 
     def stop(self) -> None:
@@ -249,6 +256,35 @@ def test_a_checkpoint_crosses_shard_counts_both_ways(cluster):
         tinker.ServiceClient(base_url=cluster.server.base_url, api_key=KEY).create_training_client_from_state(
             on_one[2]).result(), datum)
 
-    back_on_two = resume(cluster.start(2), on_one[2])
+    back_on_two = resume(cluster.start(2, *SMALL_MEMORY), on_one[2])  # as the next test needs it: one start fewer
     assert len(training_metrics(cluster.server)["shards"]) == 2
     np.testing.assert_allclose(back_on_two[0], one_shard_next, atol=1e-6)
+
+
+def test_a_pass_that_would_not_fit_on_one_shard_fails_its_request_alone(cluster):
+    """Issue 44: a failure one shard meets inside a shared pass (out of memory) left the other shard waiting in a
+    collective, and the group exited (``Shards.fatal``): other tenants lost acknowledged steps. Now each shard
+    checks, before the pass, that its part's activations fit the memory it may use, and the shards agree: with
+    64 MiB each, a request of 2,000 + 200 tokens (the 2,000 on one shard, which could not hold them; the other could)
+    is refused with a 4xx naming the limit, the other tenant's step in the same moment runs, the group never
+    restarts, and the same run trains on with a request that fits."""
+    server = cluster.start(2, *SMALL_MEMORY)
+    restarts = training_metrics(server)["restarts"]
+    victim_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-shards-victim")
+    victim = victim_service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=31).result()
+    odd = tinker.ServiceClient(base_url=server.base_url, api_key=KEY).create_lora_training_client(
+        base_model=BASE_MODEL, rank=4, seed=32).result()
+    rng = np.random.default_rng(9)
+    big = [make_datum(rng.integers(0, 500, 1).tolist(), rng.integers(0, 500, n).tolist()) for n in (2000, 200)]
+    refused = one_request(server.base_url, KEY, odd.model_id, 1, big)
+    step = victim.forward_backward([rl_datum(rng, "cross_entropy") for _ in range(3)], "cross_entropy")
+    answer = poll_future(server.base_url, refused, KEY)
+    assert answer["category"] == "user", answer
+    assert "2000 tokens" in answer["error"] and "--activation-memory-mib" in answer["error"], answer
+    assert "trainer shard 0" in answer["error"], answer
+    assert np.isfinite(step.result().metrics["loss:sum"])
+    assert victim.optim_step(ADAM).result().metrics["grad_norm"] > 0
+    fits = one_request(server.base_url, KEY, odd.model_id, 2, big[1:])
+    assert isinstance(poll_future(server.base_url, fits, KEY), bytes)
+    assert training_metrics(server)["restarts"] == restarts
+    victim_service.close("success")

@@ -117,6 +117,34 @@ def test_a_mixed_adapter_batch_equals_each_adapter_alone(tiny_model_dir):
                 np.testing.assert_allclose(g_mixed.numpy(), g_solo.numpy(), atol=1e-5, rtol=1e-4)
 
 
+def test_a_request_whose_activations_would_not_fit_fails_alone_before_its_pass(tiny_model_dir):
+    """Issue 44: a pass too large for memory failed inside the pass (on the CPU: the process killed; on a sharded
+    trainer: the group). Now a pass that would not fit even with every layer recomputed is refused before it runs,
+    naming the limit: in a mixed batch only that request fails, and the others get what they get alone, one of them
+    large enough to be checkpointed."""
+    from adapters.trainer.actor import StepRequest
+    from adapters.trainer.memory import KEEP_SHARE, DoesNotFit
+
+    trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(activation_memory_mib=4))
+    budget = trainer.passes.recompute.budget
+    most = int(KEEP_SHARE * 4 * 2**20 / budget.checkpointed_per_token)  # the longest pass that fits, checkpointed
+    assert not budget.fits(int(0.7 * most)) and trainer.passes.recompute.checkpoints(int(0.7 * most))
+    rng = np.random.default_rng(3)
+    for model_id in "abc":
+        trainer.create(model_id, LoraSpec(rank=4, seed=ord(model_id)))
+    requests = [StepRequest("a", [_datum(rng, 16)], "cross_entropy", {}, False),
+                StepRequest("b", [_datum(rng, int(0.7 * most))], "cross_entropy", {}, False),
+                StepRequest("c", [_datum(rng, int(0.6 * most)) for _ in range(2)], "cross_entropy", {}, False)]
+    alone = [trainer.forward_backward_batch([request])[0] for request in requests]
+    assert isinstance(alone[2], DoesNotFit) and "--activation-memory-mib" in str(alone[2])
+    assert f"{2 * int(0.6 * most)} tokens" in str(alone[2])
+    together = trainer.forward_backward_batch(requests)
+    assert isinstance(together[2], DoesNotFit)
+    for solo, mixed in zip(alone[:2], together[:2], strict=True):
+        assert mixed.metrics["loss:sum"] == pytest.approx(solo.metrics["loss:sum"], rel=1e-5)
+        np.testing.assert_allclose(mixed.outputs[0]["logprobs"], solo.outputs[0]["logprobs"], atol=1e-5)
+
+
 def test_the_adapter_limit_is_a_clear_user_error(tiny_model_dir):
     trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(max_adapters=2))
     trainer.create("one", LoraSpec(rank=2, seed=0))

@@ -100,22 +100,28 @@ class MultiLoRATrainer:
         self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
-        self.facts = replace(self.facts, checkpointing=self._checkpointing(options.activation_checkpointing_tokens))
+        self.facts = replace(self.facts, checkpointing=self._checkpointing(options))
 
-    def _checkpointing(self, min_tokens: int | None) -> str:
-        """Decide when passes checkpoint their layers (``adapters.trainer.memory``): by default, measure what this
-        model keeps per token through a temporary adapter of rank ``PROBE_RANK`` (every shard of a sharded trainer
-        runs the same probe passes, so their collectives match). Returns the decision in words."""
-        if min_tokens is not None:
-            return f"passes of at least {min_tokens} tokens" if min_tokens else "never"
+    def _checkpointing(self, options: TrainerOptions) -> str:
+        """Measure what this model keeps per token (``adapters.trainer.memory``), through a temporary adapter of
+        rank ``PROBE_RANK`` (every shard of a sharded trainer runs the same probe passes, so their collectives
+        match): it decides which passes fit at all, and by default which checkpoint their layers. Returns the
+        decision in words."""
         probe = self.adapters.temporary(LoraSpec(rank=PROBE_RANK, seed=0))
         try:
             per_token = kept_per_token(lambda tokens: self.passes.hidden(
                 [DatumArrays(tokens=np.arange(tokens, dtype=np.int64) % self.facts.vocab_size)], [probe.name]))
         finally:
             self.adapters.discard(probe)
-        budget = ActivationBudget(per_token, self.device)
+        embeddings = self.model.base.get_input_embeddings()
+        layer_input = embeddings.embedding_dim * embeddings.weight.element_size()
+        cap = options.activation_memory_mib
+        budget = ActivationBudget(per_token, layer_input, len(self.passes.recompute.layers), self.device,
+                                  cap=None if cap is None else cap * 2**20)
         self.passes.recompute.budget = budget
+        min_tokens = options.activation_checkpointing_tokens
+        if min_tokens is not None:
+            return f"passes of at least {min_tokens} tokens" if min_tokens else "never"
         return (f"passes whose activations ({per_token / 1024:.0f} KiB per token) would take over a third of the "
                 f"free memory, now over {budget.tokens_now()} tokens")
 

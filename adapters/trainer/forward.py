@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from adapters.trainer.interface import ModelFacts, StepRequest, StepResult
+from adapters.trainer.memory import DoesNotFit
 from adapters.trainer.passes import IDLE_ROW, ModelPasses
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.custom_loss.batch import CustomLossBatch, combined_metrics
@@ -97,13 +98,14 @@ class MixedForward:
         """Run ``ready`` as one batch. Whatever one request does to the shared passes — an input the forward cannot
         take, memory it runs out of — the batch then added no gradient anywhere (``_run_mixed`` adds them only once
         everything succeeded), and each request runs again alone: only the one that fails gets an error, and every
-        other gets exactly what it gets alone. A sharded trainer cannot: its other shards wait in the pass that
-        failed (``Shards.fatal``)."""
+        other gets exactly what it gets alone. A sharded trainer does so only for a batch refused before its pass
+        because its activations would not fit (``memory.DoesNotFit``, agreed by every shard); any other failure
+        leaves its other shards waiting in the pass that failed (``Shards.fatal``)."""
         try:
             self._run_mixed(ready, outcomes, started)
             return
         except Exception as exc:  # noqa: BLE001 - which request caused it is found by running them apart
-            if self.shards.sharded:
+            if self.shards.sharded and not isinstance(exc, DoesNotFit):  # that one every shard met, before the pass
                 self.shards.fatal(exc)
             failure = exc
         finally:
@@ -218,7 +220,7 @@ class MixedForward:
                 target_logprobs = self.passes.target_logprobs(hidden, adapter.name, targets)
             inputs = {k: torch.tensor(v, device=self.device) for k, v in d.loss_fn_inputs.items()}
             if custom is not None:
-                part.custom = part.custom or CustomLossBatch(custom)
+                part.custom = part.custom or CustomLossBatch(custom, self.device)
                 loss = part.custom.datum(target_logprobs, inputs)
             else:
                 loss = datum_loss(request.loss_fn, target_logprobs, inputs, config)

@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from shims.errors import UserError
+
 KEEP_SHARE = 1 / 3
 """The share of the device's free memory a pass's kept activations may take. The rest is headroom for what backward
 allocates beside them (gradients of each layer's activations, the head's logits chunk) and for the other processes
@@ -91,17 +93,53 @@ def kept_per_token(forward: Callable[[int], object]) -> float:
     return max(kept[1] - kept[0], 0) / PROBE_TOKENS
 
 
-class ActivationBudget:
-    """Decides, pass by pass, whether a pass's activations fit (see the module docstring)."""
+class DoesNotFit(UserError):
+    """A training pass whose activations would not fit in the memory free for it (``ActivationBudget.shortfall``).
+    Every shard of a sharded trainer raises it at the same point, before the pass's first collective of the model
+    (``adapters.trainer.passes``), so the group goes on: the requests of the batch run again one by one, and only one
+    that does not fit alone fails (``adapters.trainer.forward``)."""
 
-    def __init__(self, per_token: float, device: torch.device) -> None:
+
+class ActivationBudget:
+    """Decides, pass by pass, whether a pass's activations fit (see the module docstring), and whether they fit at
+    all: a pass that would not fit even checkpointed is refused before it runs rather than failing inside it, where
+    an out-of-memory on the CPU is the process killed, and on one shard of a sharded trainer the group lost."""
+
+    def __init__(self, per_token: float, layer_input: float, layers: int, device: torch.device,
+                 cap: int | None = None) -> None:
         self.per_token = per_token
         """Bytes a pass keeps per token (``kept_per_token``)."""
+        self.checkpointed_per_token = layers * layer_input + per_token / max(layers, 1)
+        """Bytes a checkpointed pass holds per token at its peak: every decoder layer's input (what a checkpointed
+        layer keeps), and in backward one layer's activations, recomputed."""
         self.device = device
+        self.cap = cap
+        """Most bytes a pass may use whatever is free (``--activation-memory-mib``), or None."""
+
+    def available(self) -> int:
+        free = available_bytes(self.device)
+        return free if self.cap is None else min(free, self.cap)
 
     def fits(self, tokens: int) -> bool:
-        return tokens * self.per_token <= KEEP_SHARE * available_bytes(self.device)
+        return tokens * self.per_token <= KEEP_SHARE * self.available()
+
+    def needed(self, tokens: int, checkpointed: bool) -> float:
+        """Bytes a pass over ``tokens`` holds for backward, checkpointed or not (``KEEP_SHARE`` of the memory
+        available is what it may take: the rest is what backward allocates beside them)."""
+        return tokens * (self.checkpointed_per_token if checkpointed else self.per_token)
+
+    def shortfall(self, tokens: int, checkpointed: bool) -> str | None:
+        """Why a training pass over ``tokens`` tokens cannot run now, or None when it can."""
+        needed, available = self.needed(tokens, checkpointed), self.available()
+        if needed <= KEEP_SHARE * available:
+            return None
+        how = "with every decoder layer recomputed in backward" if checkpointed else "keeping its activations"
+        limit = " (--activation-memory-mib)" if self.cap is not None and self.cap <= available_bytes(self.device) \
+            else ""
+        return (f"a training pass of {tokens} tokens would hold about {needed / 2**20:.0f} MiB of activations "
+                f"{how}, more than a third of the {available / 2**20:.0f} MiB available on {self.device}{limit}; "
+                f"send fewer tokens per call")
 
     def tokens_now(self) -> int:
         """The most tokens a pass may hold now and keep its activations (for the trainer's ready line)."""
-        return math.floor(KEEP_SHARE * available_bytes(self.device) / max(self.per_token, 1.0))
+        return math.floor(KEEP_SHARE * self.available() / max(self.per_token, 1.0))

@@ -61,6 +61,13 @@ class TrainerOptions:
              "the length by about one layer's activations; 0: never (default: a batch whose activations would take "
              "more than a third of the memory free on its device, measured per token when the trainer starts)")
 
+    activation_memory_mib: int | None = option(
+        None, check=at_least(1),
+        help="most memory, in MiB, one training pass of a trainer (each shard) may count on for its activations, "
+             "whatever its device has free (for a device shared with samplers or other processes); a pass whose "
+             "activations would take over a third of it even with every layer recomputed is refused with a "
+             "clear error, before it runs (default: the memory free on its device at that moment)")
+
     def bundle(self) -> dict[str, float]:
         """One shard's Ray resources, as a placement group bundle."""
         wanted = {"CPU": self.cpus, "GPU": self.gpus or 0.0, **self.resources}

@@ -11,6 +11,7 @@ import torch
 
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
+from adapters.trainer.memory import DoesNotFit
 from adapters.trainer.packing import Packing, buckets, packs, use_packed_attention
 from adapters.trainer.recompute import LayerRecompute
 from adapters.trainer.shards import Shards
@@ -56,10 +57,27 @@ class ModelPasses:
         every shard's backward reaches the first layer (none otherwise)."""
         probes: list[torch.Tensor] = []
         if self.packs:
+            self._admit(sum(d.tokens.size for d in data))
             run = lambda: self._packed(data, names, probes)  # noqa: E731
         else:
+            groups = buckets([d.tokens.size for d in data]) if groups is None else groups
+            self._admit(_padded(data, groups))
             run = lambda: self._in_rows(data, names, groups, probes)  # noqa: E731
         return self.shards.through_root(self.base, run), probes
+
+    def _admit(self, tokens: int) -> None:
+        """Refuse a pass that trains over ``tokens`` tokens (padding included) whose activations would not fit
+        (``ActivationBudget.shortfall``), before it runs: on every shard alike, agreed before the pass's first
+        collective, so that a sharded trainer's group goes on (``memory.DoesNotFit``)."""
+        budget = self.recompute.budget
+        if budget is None or not torch.is_grad_enabled():
+            return
+        shortfall = budget.shortfall(tokens, self.recompute.checkpoints(tokens))
+        if self.shards.agreed(shortfall is None):
+            return
+        reasons = [f"{reason} (trainer shard {rank})" if self.shards.sharded else reason
+                   for rank, reason in enumerate(self.shards.everywhere(shortfall)) if reason]
+        raise DoesNotFit(reasons[0])
 
     def _packed(self, data: list[DatumArrays], names: list[str | None], probes: list[torch.Tensor]) -> torch.Tensor:
         lengths = [d.tokens.size for d in data]
@@ -71,15 +89,12 @@ class ModelPasses:
             return self.base.get_decoder()(inputs_embeds=embeds, position_ids=packing.positions, use_cache=False,
                                            packing=packing).last_hidden_state[0]
 
-    def _in_rows(self, data: list[DatumArrays], names: list[str | None], groups: list[list[int]] | None,
+    def _in_rows(self, data: list[DatumArrays], names: list[str | None], groups: list[list[int]],
                  probes: list[torch.Tensor]) -> torch.Tensor:
-        if groups is None:
-            groups = buckets([d.tokens.size for d in data])
         pieces: list[torch.Tensor] = []
         order: list[int] = []
         # Every group's activations are kept until the batch's one backward: the batch checkpoints as a whole.
-        padded = sum(len(group) * max(data[i].tokens.size for i in group) for group in groups)
-        with self.recompute.for_pass(padded):
+        with self.recompute.for_pass(_padded(data, groups)):
             for group in groups:
                 rows = [data[i] for i in group]
                 out = self._rows(rows, [names[i] for i in group], probes)
@@ -196,3 +211,8 @@ class ModelPasses:
     def _score(self, hidden: torch.Tensor, targets: torch.Tensor, name: str | None) -> torch.Tensor:
         """Logprobs of ``targets`` (``[positions, k]``) after ``hidden`` through ``name``'s head, in float32."""
         return torch.log_softmax(self.head.with_adapter(hidden, name).float(), dim=-1).gather(1, targets)
+
+
+def _padded(data: list[DatumArrays], groups: list[list[int]]) -> int:
+    """Positions a pass of padded ``groups`` of ``data`` computes: each group is as long as its longest datum."""
+    return sum(len(group) * max(data[i].tokens.size for i in group) for group in groups)
