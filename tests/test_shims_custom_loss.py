@@ -4,6 +4,7 @@ client-side, and hostile graphs are user errors, never code execution, attribute
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -74,7 +75,7 @@ def test_traced_losses_give_the_sdk_client_side_loss_metrics_and_gradient(fn):
     client_loss, client_metrics = run_loss_handle(handle, data, logprobs)
     client_grads = torch.autograd.grad(client_loss, logprobs)
 
-    batch = CustomLossBatch(loss)
+    batch = CustomLossBatch(loss, torch.device("cpu"))
     server_loss = sum(batch.datum(lp, ins) for lp, ins in zip(logprobs, inputs))
     server_grads = torch.autograd.grad(server_loss, logprobs)
     assert float(server_loss.detach()) == float(client_loss.detach())
@@ -384,14 +385,12 @@ def test_a_value_on_another_device_and_a_loss_past_its_time_are_user_errors():
 def test_the_time_limit_is_the_whole_requests_forward_and_backward(monkeypatch):
     """--custom-loss-max-seconds bounds one request: its datums' steps and the loss's backward share one deadline
     (it bounded each datum's forward alone, so a request of many datums, and any backward, ran unbounded)."""
-    import shims.custom_loss.batch as batch_module
     import shims.custom_loss.run as run_module
 
     now = [100.0]
-    monkeypatch.setattr(run_module.time, "monotonic", lambda: now[0])
-    assert batch_module.time is run_module.time
+    monkeypatch.setattr(run_module.time, "monotonic", lambda: now[0])  # the one clock both read (device_time)
     loss = compile_custom_loss("l", INPUTS, graph(node("call_method", "s", "sum", [X])), CustomLossLimits(max_seconds=5))
-    batch = CustomLossBatch(loss)
+    batch = CustomLossBatch(loss, torch.device("cpu"))
     logprobs = [torch.zeros(4, requires_grad=True) * 1.0 for _ in range(3)]
     totals = [batch.datum(logprobs[0], {})]
     now[0] += 4  # within the request's 5 s
@@ -447,3 +446,18 @@ def test_an_index_is_refused_before_its_result_takes_memory():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "node 'k' (operator.getitem) would bring" in done.stdout, done.stdout
     assert "--custom-loss-max-elements" in done.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: on the CPU every step is done when it "
+                                                           "returns, so host time is device time")
+def test_the_custom_loss_clock_waits_for_the_gpu_work_it_launched():
+    """Issue 44: the custom-loss deadline read the host clock, which on a GPU passes before queued kernels run, so a
+    loss of slow kernels ran on past --custom-loss-max-seconds. ``device_time`` reads it once the device is done."""
+    from shims.custom_loss.run import device_time
+
+    device = torch.device("cuda")
+    started = device_time(device)
+    torch.cuda._sleep(2_000_000_000)  # a kernel that spins on the GPU for about a second
+    launched = time.monotonic()
+    assert launched - started < 0.2  # the launch returned at once
+    assert device_time(device) - started > 0.3  # the clock waited for the kernel

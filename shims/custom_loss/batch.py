@@ -3,23 +3,24 @@ shards of a sharded trainer that each ran some of the request's datums (``adapte
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from shims.custom_loss.graph import CustomLoss
-from shims.custom_loss.run import over_time, run_datum
+from shims.custom_loss.run import device_time, over_time, run_datum
 
 
 class CustomLossBatch:
     """One request's custom loss over its datums: the per-datum losses to sum, and the metrics reduced as the SDK's
     client-side path reduces them."""
 
-    def __init__(self, loss: CustomLoss) -> None:
+    def __init__(self, loss: CustomLoss, device: torch.device) -> None:
         self.loss = loss
-        self.deadline = time.monotonic() + loss.limits.max_seconds
-        """The request's custom-loss time, forward and backward of every datum, runs out then."""
+        self.device = device
+        self.deadline = device_time(device) + loss.limits.max_seconds
+        """The request's custom-loss time, forward and backward of every datum, runs out then: device time
+        (``device_time``), counted from when the device has finished the shared forward queued before."""
         self._sums: dict[str, float] = {}
         self._count = 0
 
@@ -38,7 +39,7 @@ class CustomLossBatch:
         handles = []
 
         def check(_grads: tuple) -> None:
-            if time.monotonic() > self.deadline:
+            if device_time(self.device) > self.deadline:
                 raise over_time(self.loss, "its backward")
 
         seen: set = set()

@@ -107,7 +107,7 @@ class _Datum:
         self.loss, self.limits, self.device = loss, loss.limits, device
         self.used = 0
         self.deadline = deadline
-        """When the request's custom-loss time runs out (``time.monotonic``; ``CustomLossBatch``)."""
+        """When the request's custom-loss time runs out (``device_time``; ``CustomLossBatch``)."""
         self._sizes: dict[int, tuple[Any, int, int]] = {}
         """id → (the container, kept so its id stays its own; Python values in it; tensor elements in it)."""
         self._counted: dict[int, Any] = {}
@@ -174,7 +174,7 @@ class _Datum:
         self.used += self._new_elements(result)
         if self.used > self.limits.max_elements:
             raise self._over(where, self.used)
-        if time.monotonic() > self.deadline:
+        if device_time(self.device) > self.deadline:
             raise over_time(self.loss, where)
 
     def _new_elements(self, value: Any) -> int:
@@ -264,13 +264,22 @@ def over_time(loss: CustomLoss, where: str) -> UserError:
                      f"s, forward and backward of all its datums together (at {where}; --custom-loss-max-seconds)")
 
 
+def device_time(device: torch.device) -> float:
+    """``time.monotonic()`` once ``device`` has done the work queued on it. A GPU runs kernels after the calls that
+    launch them return: read without waiting, the clock would count a loss's launches, not its work, and a loss of
+    slow kernels would run on far past ``--custom-loss-max-seconds``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic()
+
+
 def run_datum(loss: CustomLoss, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
               deadline: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One datum's ``(loss, metrics)``; ``inputs`` passed ``check_custom_datum``. ``deadline``: when the request's
-    custom-loss time runs out (``time.monotonic``; default: ``max_seconds`` from now)."""
+    custom-loss time runs out (``device_time``; default: ``max_seconds`` from now)."""
     device, n = logprobs.device, logprobs.shape[0]
     values: list[Any] = [logprobs, *(_as_rank(inputs[name], rank, n) for name, rank in loss.inputs[1:])]
-    budget = _Datum(loss, device, time.monotonic() + loss.limits.max_seconds if deadline is None else deadline)
+    budget = _Datum(loss, device, device_time(device) + loss.limits.max_seconds if deadline is None else deadline)
     for step in loss.steps:
         where = f"node {step.name!r} ({step.target})"
         args = tuple(_resolve(a, values, device) for a in step.args)
