@@ -187,6 +187,17 @@ def test_each_shard_holds_half_of_the_base_weights(cluster, tiny_model_dir):
     assert [s["torch_threads"] for s in shards] == [max(1, machine_cpus() // 2)] * 2
 
 
+def two_tenants(server: RunningServer, seed: int) -> tuple[tinker.ServiceClient, tinker.TrainingClient,
+                                                            tinker.TrainingClient]:
+    """A victim tenant (its service, to close, and its run) and a run of this module's key beside it, seeds
+    ``seed`` and ``seed + 1``."""
+    victim_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-shards-victim")
+    victim = victim_service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=seed).result()
+    odd = tinker.ServiceClient(base_url=server.base_url, api_key=KEY).create_lora_training_client(
+        base_model=BASE_MODEL, rank=4, seed=seed + 1).result()
+    return victim_service, victim, odd
+
+
 def test_one_long_batch_of_one_token_datums_never_takes_the_group_down(cluster):
     """Issue 44, High 1: 2 × 2,000 tokens + 40,000 one-token datums, under --max-batch-tokens, were padded to a
     40,002 × 2,000 rectangle that no shard could allocate inside the shared forward, which is fatal to a sharded
@@ -195,10 +206,7 @@ def test_one_long_batch_of_one_token_datums_never_takes_the_group_down(cluster):
     runs packed, costing its real tokens. The victim's steps beside them all succeed and the group never restarts."""
     server = cluster.server
     restarts = training_metrics(server)["restarts"]
-    victim_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-shards-victim")
-    victim = victim_service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=21).result()
-    odd = tinker.ServiceClient(base_url=server.base_url, api_key=KEY).create_lora_training_client(
-        base_model=BASE_MODEL, rank=4, seed=22).result()
+    victim_service, victim, odd = two_tenants(server, 21)
     rng = np.random.default_rng(5)
     long = [make_datum(rng.integers(0, 500, 1000).tolist(), rng.integers(0, 500, 1001).tolist()) for _ in range(2)]
 
@@ -270,10 +278,7 @@ def test_a_pass_that_would_not_fit_on_one_shard_fails_its_request_alone(cluster)
     restarts, and the same run trains on with a request that fits."""
     server = cluster.start(2, *SMALL_MEMORY)
     restarts = training_metrics(server)["restarts"]
-    victim_service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-test-shards-victim")
-    victim = victim_service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=31).result()
-    odd = tinker.ServiceClient(base_url=server.base_url, api_key=KEY).create_lora_training_client(
-        base_model=BASE_MODEL, rank=4, seed=32).result()
+    victim_service, victim, odd = two_tenants(server, 31)
     rng = np.random.default_rng(9)
     big = [make_datum(rng.integers(0, 500, 1).tolist(), rng.integers(0, 500, n).tolist()) for n in (2000, 200)]
     refused = one_request(server.base_url, KEY, odd.model_id, 1, big)

@@ -133,7 +133,7 @@ class MixedForward:
         with torch.set_grad_enabled(trains):
             rows = [ready[datums[i][0]][1].data[datums[i][1]] for i in mine] or [IDLE_ROW]
             names = [ready[datums[i][0]][2].name for i in mine] or [None]
-            hidden, probes = self.passes.hidden(rows, names, self._row_groups(mine))
+            hidden, probes = self.passes.hidden(rows, names)
             # One split into datums (a single backward node), never a slice per datum: a slice's gradient is the
             # whole batch's size, which made backward quadratic in the number of datums.
             pieces = hidden.split([rows[row].tokens.size for row in range(len(mine))]) if mine else ()
@@ -174,15 +174,6 @@ class MixedForward:
             outcomes[index] = StepResult(outputs=[{"logprobs": outputs[i]} for i in range(len(request.data))],
                                          metrics=metrics, seconds=seconds,
                                          num_tokens=int(sum(d.tokens.size for d in request.data)))
-
-    def _row_groups(self, mine: list[int]) -> list[list[int]] | None:
-        """The forwards a shard runs its datums of a recurrent family in (``ModelPasses.hidden``): None, the default
-        length buckets, on a plain trainer; one padded forward of all its datums on a sharded one. FSDP2's collectives
-        went out of step between shards when a pass ran the decoder several times (the shards hung in backward), so
-        a sharded trainer keeps one forward per pass for these families and pays their padding."""
-        if self.passes.packs or not self.shards.sharded:
-            return None
-        return [list(range(max(len(mine), 1)))]  # a shard with no datum runs IDLE_ROW
 
     def _scores(self, ready: list[Ready], rows: list[tuple[int, int]],
                 hidden: tuple[torch.Tensor, ...]) -> dict[int, torch.Tensor]:
@@ -276,6 +267,8 @@ class MixedForward:
         whole backward has succeeded. A sharded trainer's shards all go through every layer of every forward
         (``probes``), also one whose datums train nothing, for the collectives of the layers' backward."""
         root = torch.stack(trained).sum() if trained else hidden.sum() * 0.0
+        if self.shards.sharded and trained:  # every forward of the pass runs backward, as on every other shard
+            root = root + hidden.sum() * 0.0
         inputs = learning + probes
         grads = list(torch.autograd.grad(root, inputs, allow_unused=True))[: len(learning)]
         if self.shards.world > 1:  # every shard sums the same list, a gradient it has none of as zeros

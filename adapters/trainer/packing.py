@@ -11,8 +11,8 @@ experts, norms) sees only the real tokens, each routed per token.
 Families whose layers carry a recurrent state along the sequence (Gated DeltaNet, Mamba: a causal convolution and
 a scan) cannot restart it at a datum's start inside one packed sequence with transformers' own layers; their
 datums run as padded rows instead, in the same length buckets, one forward per bucket, so that padding stays
-under ``SLACK`` of the real tokens (``buckets``; a sharded trainer runs one padded forward per shard, since several
-forwards in one pass put FSDP2's collectives out of step). Either way the pass returns the datums' final hidden
+under ``SLACK`` of the real tokens (``buckets``; on a sharded trainer every shard runs as many forwards as the one
+with the most buckets: ``adapters.trainer.forward``). Either way the pass returns the datums' final hidden
 states packed, ``[real tokens, hidden]``, datum after datum.
 """
 

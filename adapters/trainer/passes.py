@@ -47,23 +47,37 @@ class ModelPasses:
         if self.packs:
             use_packed_attention(model.base)
 
-    def hidden(self, data: list[DatumArrays], names: list[str | None],
-               groups: list[list[int]] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def hidden(self, data: list[DatumArrays], names: list[str | None]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final hidden states of ``data``, datum ``i`` through adapter ``names[i]`` (None: the base model), packed:
         ``[real tokens, hidden]``, datum after datum (``adapters.trainer.packing``), run inside the sharded model's
         root call (``Shards.through_root``). A family that packs runs one packed sequence; a recurrent one runs
-        padded rows in ``groups`` (indices into ``data``, one forward each), by default length buckets. And on a
-        sharded trainer's pass that trains, each forward's input embeddings as a leaf that needs a gradient, so that
-        every shard's backward reaches the first layer (none otherwise)."""
+        padded rows in length buckets, one forward each (``_buckets``). And on a sharded trainer's pass that trains,
+        each forward's input embeddings as a leaf that needs a gradient, so that every shard's backward reaches the
+        first layer (none otherwise)."""
         probes: list[torch.Tensor] = []
         if self.packs:
             self._admit(sum(d.tokens.size for d in data))
             run = lambda: self._packed(data, names, probes)  # noqa: E731
         else:
-            groups = buckets([d.tokens.size for d in data]) if groups is None else groups
+            real = sum(d.tokens.size for d in data)
+            data, names, groups = self._buckets(data, names)
             self._admit(_padded(data, groups))
-            run = lambda: self._in_rows(data, names, groups, probes)  # noqa: E731
+            run = lambda: self._in_rows(data, names, groups, probes)[:real]  # noqa: E731
         return self.shards.through_root(self.base, run), probes
+
+    def _buckets(self, data: list[DatumArrays], names: list[str | None]) -> tuple[
+            list[DatumArrays], list[str | None], list[list[int]]]:
+        """Length buckets of ``data`` (indices, one padded forward each: ``packing.buckets``). On a sharded trainer
+        every shard runs as many forwards as the shard with the most buckets, one with fewer running ``IDLE_ROW``
+        for the rest (appended to the data and names returned; ``hidden`` cuts their states from its output): FSDP2
+        gathers each layer's weights once per forward, in forward and in backward, so shards that ran different
+        numbers of forwards went out of step in their collectives (they hung)."""
+        groups = buckets([d.tokens.size for d in data])
+        if not self.shards.sharded:
+            return data, names, groups
+        missing = max(self.shards.everywhere(len(groups))) - len(groups)
+        groups += [[len(data) + i] for i in range(missing)]
+        return data + [IDLE_ROW] * missing, names + [None] * missing, groups
 
     def _admit(self, tokens: int) -> None:
         """Refuse a pass that trains over ``tokens`` tokens (padding included) whose activations would not fit
