@@ -145,6 +145,38 @@ def test_a_request_whose_activations_would_not_fit_fails_alone_before_its_pass(t
         np.testing.assert_allclose(mixed.outputs[0]["logprobs"], solo.outputs[0]["logprobs"], atol=1e-5)
 
 
+def test_short_datums_whose_logits_would_not_fit_recompute_them_with_the_same_results(tiny_model_dir):
+    """A batch of short datums kept every datum's float32 log-softmax (vocabulary × 4 bytes a token: 590 KiB at a
+    151k vocabulary, more than a checkpointed pass keeps in its layers) for backward, whatever the memory. Now a pass
+    keeps them only when they fit beside its layers' activations, else recomputes them in backward like a long
+    datum's chunks: the loss, logprobs and gradients are the same as keeping them."""
+    import math
+
+    from adapters.trainer.actor import StepRequest
+
+    rng = np.random.default_rng(4)
+    data = [_datum(rng, 20) for _ in range(100)]
+    tokens = 20 * 100
+    outcomes = []
+    cap = None
+    for _ in range(2):
+        trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(activation_memory_mib=cap))
+        if cap is None:  # the layers' activations fit in the room left, with their logits they do not
+            layers, logits = tokens * trainer.passes.recompute.budget.per_token, tokens * 512 * 4
+            cap = math.ceil(3 * (layers + logits / 2) / 2**20)
+        trainer.create("a", LoraSpec(rank=4, seed=5))
+        [result] = trainer.forward_backward_batch([StepRequest("a", data, "cross_entropy", {}, False)])
+        outcomes.append((result, [p.grad.clone() for p in trainer.adapters["a"].params], trainer.passes.keeps_logits,
+                         trainer.passes.recompute.checkpoints(tokens)))
+    (kept, kept_grads, *kept_flags), (recomputed, recomputed_grads, *recomputed_flags) = outcomes
+    assert kept_flags == [True, False] and recomputed_flags == [False, False]
+    assert recomputed.metrics["loss:sum"] == pytest.approx(kept.metrics["loss:sum"], rel=1e-6)
+    for mine, theirs in zip(recomputed.outputs, kept.outputs, strict=True):
+        np.testing.assert_allclose(mine["logprobs"], theirs["logprobs"], atol=1e-6)
+    for mine, theirs in zip(recomputed_grads, kept_grads, strict=True):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=1e-6, rtol=1e-5)
+
+
 def test_the_adapter_limit_is_a_clear_user_error(tiny_model_dir):
     trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(max_adapters=2))
     trainer.create("one", LoraSpec(rank=2, seed=0))

@@ -73,8 +73,9 @@ class MultiLoRATrainer:
         """``options``: what this trainer computes with and holds: ``threads``, torch threads (None: this machine's
         usable CPUs, shared with this trainer's other shards here; ``adapters.cpu_threads``); ``max_adapters``, the
         runs it holds at once; ``activation_checkpointing_tokens``, training batches of at least this many tokens
-        checkpoint each decoder layer (``adapters.trainer.recompute``; 0: never). ``shard``: this process's place in
-        a sharded trainer (``adapters.trainer.shards``; None: the whole model here)."""
+        checkpoint each decoder layer (``adapters.trainer.recompute``; 0: never); ``activation_memory_mib``, the
+        most memory a pass counts on (``adapters.trainer.memory``). ``shard``: this process's place in a sharded
+        trainer (``adapters.trainer.shards``; None: the whole model here)."""
         from transformers import AutoConfig
 
         self.device = local_device()
@@ -108,10 +109,13 @@ class MultiLoRATrainer:
         match): it decides which passes fit at all, and by default which checkpoint their layers. Returns the
         decision in words."""
         probe = self.adapters.temporary(LoraSpec(rank=PROBE_RANK, seed=0))
+        min_tokens = self.passes.recompute.min_tokens
+        self.passes.recompute.min_tokens = None  # the probe keeps every activation (no budget yet: none checkpoint)
         try:
             per_token = kept_per_token(lambda tokens: self.passes.hidden(
                 [DatumArrays(tokens=np.arange(tokens, dtype=np.int64) % self.facts.vocab_size)], [probe.name]))
         finally:
+            self.passes.recompute.min_tokens = min_tokens
             self.adapters.discard(probe)
         embeddings = self.model.base.get_input_embeddings()
         layer_input = embeddings.embedding_dim * embeddings.weight.element_size()
@@ -119,7 +123,6 @@ class MultiLoRATrainer:
         budget = ActivationBudget(per_token, layer_input, len(self.passes.recompute.layers), self.device,
                                   cap=None if cap is None else cap * 2**20)
         self.passes.recompute.budget = budget
-        min_tokens = options.activation_checkpointing_tokens
         if min_tokens is not None:
             return f"passes of at least {min_tokens} tokens" if min_tokens else "never"
         return (f"passes whose activations ({per_token / 1024:.0f} KiB per token) would take over a third of the "

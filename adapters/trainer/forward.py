@@ -267,8 +267,6 @@ class MixedForward:
         whole backward has succeeded. A sharded trainer's shards all go through every layer of every forward
         (``probes``), also one whose datums train nothing, for the collectives of the layers' backward."""
         root = torch.stack(trained).sum() if trained else hidden.sum() * 0.0
-        if self.shards.sharded and trained:  # every forward of the pass runs backward, as on every other shard
-            root = root + hidden.sum() * 0.0
         inputs = learning + probes
         grads = list(torch.autograd.grad(root, inputs, allow_unused=True))[: len(learning)]
         if self.shards.world > 1:  # every shard sums the same list, a gradient it has none of as zeros

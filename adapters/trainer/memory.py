@@ -128,12 +128,17 @@ class ActivationBudget:
         available is what it may take: the rest is what backward allocates beside them)."""
         return tokens * (self.checkpointed_per_token if checkpointed else self.per_token)
 
+    def room(self) -> float:
+        """Bytes a pass's activations may take now: ``KEEP_SHARE`` of the memory available."""
+        return KEEP_SHARE * self.available()
+
     def shortfall(self, tokens: int, checkpointed: bool) -> str | None:
         """Why a training pass over ``tokens`` tokens cannot run now, or None when it can."""
         needed, available = self.needed(tokens, checkpointed), self.available()
         if needed <= KEEP_SHARE * available:
             return None
-        how = "with every decoder layer recomputed in backward" if checkpointed else "keeping its activations"
+        how = ("with every decoder layer recomputed in backward" if checkpointed else
+               "keeping its activations (passes that checkpoint: --activation-checkpointing-tokens)")
         limit = " (--activation-memory-mib)" if self.cap is not None and self.cap <= available_bytes(self.device) \
             else ""
         return (f"a training pass of {tokens} tokens would hold about {needed / 2**20:.0f} MiB of activations "

@@ -24,7 +24,11 @@ recomputed in backward instead of kept."""
 
 IDLE_ROW = DatumArrays(tokens=np.zeros(1, dtype=np.int64))
 """What a shard with no datum of a batch runs through the base model, so that it takes part in the batch's
-collectives (``adapters.trainer.shards``)."""
+collectives (``adapters.trainer.shards``); also each forward a shard runs beyond its own length buckets
+(``ModelPasses._buckets``)."""
+
+LOGIT_BYTES = 4
+"""Bytes of each logit a datum's scoring keeps for backward: its log-softmax, in float32."""
 
 
 class ModelPasses:
@@ -42,6 +46,8 @@ class ModelPasses:
         self.shards = shards
         self.device = shards.device
         self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
+        self.keeps_logits = True
+        """Whether the pass being run keeps its short datums' logits for backward (``_admit``)."""
         self.packs = packs(model.base)
         """Whether batches run as one packed sequence (``adapters.trainer.packing``), else as padded length buckets."""
         if self.packs:
@@ -53,15 +59,17 @@ class ModelPasses:
         root call (``Shards.through_root``). A family that packs runs one packed sequence; a recurrent one runs
         padded rows in length buckets, one forward each (``_buckets``). And on a sharded trainer's pass that trains,
         each forward's input embeddings as a leaf that needs a gradient, so that every shard's backward reaches the
-        first layer (none otherwise)."""
+        first layer (none otherwise). A pass that trains and would not fit in memory raises ``memory.DoesNotFit``
+        before it runs (``_admit``)."""
         probes: list[torch.Tensor] = []
+        short = sum(d.tokens.size for d in data if d.tokens.size <= self.chunk_positions)
         if self.packs:
-            self._admit(sum(d.tokens.size for d in data))
+            self._admit(sum(d.tokens.size for d in data), short)
             run = lambda: self._packed(data, names, probes)  # noqa: E731
         else:
             real = sum(d.tokens.size for d in data)
             data, names, groups = self._buckets(data, names)
-            self._admit(_padded(data, groups))
+            self._admit(_padded(data, groups), short)
             run = lambda: self._in_rows(data, names, groups, probes)[:real]  # noqa: E731
         return self.shards.through_root(self.base, run), probes
 
@@ -79,14 +87,22 @@ class ModelPasses:
         groups += [[len(data) + i] for i in range(missing)]
         return data + [IDLE_ROW] * missing, names + [None] * missing, groups
 
-    def _admit(self, tokens: int) -> None:
+    def _admit(self, tokens: int, short: int) -> None:
         """Refuse a pass that trains over ``tokens`` tokens (padding included) whose activations would not fit
         (``ActivationBudget.shortfall``), before it runs: on every shard alike, agreed before the pass's first
-        collective, so that a sharded trainer's group goes on (``memory.DoesNotFit``)."""
+        collective, so that a sharded trainer's group goes on (``memory.DoesNotFit``). And decide whether the
+        scoring of its ``short`` tokens (of datums of at most one chunk) keeps their logits for backward: only when
+        they fit beside the layers' activations, else each chunk of them is recomputed in backward, as a long
+        datum's are (a float32 logit per vocabulary entry per token: 590 KiB a token at a 151k vocabulary, more
+        than a checkpointed pass keeps in its layers)."""
         budget = self.recompute.budget
+        self.keeps_logits = True
         if budget is None or not torch.is_grad_enabled():
             return
-        shortfall = budget.shortfall(tokens, self.recompute.checkpoints(tokens))
+        checkpointed = self.recompute.checkpoints(tokens)
+        self.keeps_logits = (budget.needed(tokens, checkpointed) + short * self.vocab_size * LOGIT_BYTES
+                             <= budget.room())
+        shortfall = budget.shortfall(tokens, checkpointed)
         if self.shards.agreed(shortfall is None):
             return
         reasons = [f"{reason} (trainer shard {rank})" if self.shards.sharded else reason
@@ -186,8 +202,8 @@ class ModelPasses:
     def target_logprobs_together(self, hiddens: list[torch.Tensor], name: str | None,
                                  targets: list[torch.Tensor]) -> list[torch.Tensor]:
         """``target_logprobs`` of several datums through one adapter's head. Datums of at most one chunk are scored
-        together, as many at once as one chunk holds, each kept for backward as it is when scored alone; longer ones
-        chunk by chunk. One head matmul over many rows rather than one per datum: measured on CPU, a 32k-vocabulary
+        together, as many at once as one chunk holds, their logits kept for backward (unless the pass has no room for
+        them: ``_admit``); longer ones chunk by chunk. One head matmul over many rows rather than one per datum: measured on CPU, a 32k-vocabulary
         head took 1.4× longer per row over 256 rows than over 2,048 (MKL packs the head's weight once per call)."""
         size = self.chunk_positions
         out: list[torch.Tensor | None] = [None] * len(hiddens)
@@ -197,8 +213,12 @@ class ModelPasses:
         def flush() -> None:
             if not group:
                 return
-            scored = self._score(torch.cat([hiddens[i] for i in group]),
-                                 torch.cat([targets[i].reshape(hiddens[i].shape[0], -1) for i in group]), name)
+            rows = torch.cat([hiddens[i] for i in group])
+            columns = torch.cat([targets[i].reshape(hiddens[i].shape[0], -1) for i in group])
+            if torch.is_grad_enabled() and not self.keeps_logits:
+                scored = torch.utils.checkpoint.checkpoint(self._score, rows, columns, name, use_reentrant=False)
+            else:
+                scored = self._score(rows, columns, name)
             for i, part in zip(group, scored.split([hiddens[i].shape[0] for i in group]), strict=True):
                 out[i] = part.reshape(targets[i].shape)
             group.clear()
