@@ -21,6 +21,10 @@ does the work. So by default every actor runs as many torch threads as the CPUs 
   cores (vLLM's binding, ``adapters.samplers.vllm.parallel``). Several sampler replicas of one model on one machine
   (``--samplers N``) each take every CPU: under load they are busy together, and ``--sampler-threads`` splits them.
 
+- **A trainer pass too small to split runs on one thread** (``PassThreads``): below a few million multiply-adds per
+  matmul, OpenMP's threads cost more in waking and waiting than they save, and on a machine whose cores the server
+  and its clients share, a second thread spinning between the small regions takes the core they need.
+
 ``--trainer-threads`` and ``--sampler-threads`` override the count (for example to split the cores between a trainer
 and samplers that are busy at the same time). Each actor reports the count torch actually runs with, read inside the
 actor (``/api/v1/metrics``, the ready line).
@@ -79,3 +83,31 @@ def set_torch_threads(configured: int | None, peers: int = 1) -> int:
 
     torch.set_num_threads(configured or default_threads(usable_cpus(), peers))
     return torch.get_num_threads()
+
+
+SPLIT_WORK = 2**24
+"""Multiply-adds in a layer's largest matmul (tokens × the layer's largest weight) below which a trainer pass runs on
+one thread. Measured through the server on 2 cores (``bench/RESULTS.md``, issue 44), a forward_backward + optim_step
+with 1 and with 2 threads: the tiny model (largest weight 256 × 512) at 32 tokens 24 against 31 ms and at 128 tokens
+(2**24) 36 against 36–44 ms; cpu-768 (768 × 2,048) at 16 tokens (2**24.6) 114–121 ms either way, at 32 tokens 162
+against 134 ms. In one process alone, 2 threads gained nothing below this either."""
+
+
+class PassThreads:
+    """The torch threads of each trainer pass: all of ``most`` for a pass whose matmuls are worth splitting, one for a
+    smaller pass (``SPLIT_WORK``); always ``most`` when the operator fixed the count (``--trainer-threads``)."""
+
+    def __init__(self, most: int, per_token: int, fixed: bool) -> None:
+        """``per_token``: multiply-adds per token of a decoder layer's largest matmul (its largest weight)."""
+        self.most, self.per_token, self.fixed = most, per_token, fixed
+
+    def count(self, tokens: int) -> int:
+        return self.most if self.fixed or tokens * self.per_token >= SPLIT_WORK else 1
+
+    def set_for(self, tokens: int) -> None:
+        """Set this thread's torch threads for a pass over ``tokens`` tokens."""
+        import torch
+
+        wanted = self.count(tokens)
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)

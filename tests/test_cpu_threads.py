@@ -7,9 +7,14 @@ from __future__ import annotations
 import re
 
 import httpx
+import numpy as np
 import pytest
+import torch
 
-from adapters.cpu_threads import cgroup_cpu_quota, default_threads, sampler_environment
+from adapters.cpu_threads import SPLIT_WORK, PassThreads, cgroup_cpu_quota, default_threads, sampler_environment
+from adapters.trainer.actor import LoraSpec, MultiLoRATrainer
+from adapters.trainer.options import TrainerOptions
+from shims.tinker.training_wire import DatumArrays
 from tests.helpers import BASE_MODEL, machine_cpus
 
 
@@ -65,3 +70,34 @@ def test_a_transformers_sampler_idle_threads_sleep_unless_the_operator_chose(mon
     assert sampler_environment("vllm") == {}  # vLLM's workers run as vLLM sets them
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert sampler_environment("transformers") == {}  # the actors inherit the operator's
+
+
+def test_a_pass_too_small_to_split_runs_on_one_thread():
+    threads = PassThreads(most=8, per_token=256 * 512, fixed=False)
+    assert threads.count(SPLIT_WORK // (256 * 512) - 1) == 1
+    assert threads.count(SPLIT_WORK // (256 * 512)) == 8
+    assert PassThreads(most=8, per_token=256 * 512, fixed=True).count(1) == 8  # --trainer-threads is kept as given
+
+
+def _step(trainer: MultiLoRATrainer, length: int) -> int:
+    tokens = np.arange(length + 1) % 400
+    trainer.forward_backward("run", [DatumArrays(tokens=tokens[:-1], loss_fn_inputs={
+        "target_tokens": tokens[1:], "weights": np.ones(length, np.float32)})], "cross_entropy", {}, False)
+    return torch.get_num_threads()
+
+
+@pytest.mark.skipif(machine_cpus() < 2, reason="one CPU: every pass runs on one thread whatever its size")
+@pytest.mark.parametrize("configured", [None, 2])
+def test_the_trainer_runs_small_passes_on_one_thread_and_large_ones_on_all(tiny_model_dir, configured):
+    before = torch.get_num_threads()
+    trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(threads=configured))
+    trainer.create("run", LoraSpec(rank=4, seed=0))
+    most = configured or machine_cpus()
+    small = SPLIT_WORK // trainer.threads.per_token - 1
+    try:
+        assert _step(trainer, small) == (most if configured else 1)
+        assert _step(trainer, small + 1) == most
+        assert _step(trainer, 8) == (most if configured else 1)
+        assert trainer.model_facts().threads == most  # what the metrics and the ready line report
+    finally:
+        torch.set_num_threads(before)  # this test process's other tests keep theirs

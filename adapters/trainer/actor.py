@@ -16,6 +16,7 @@ optimizer steps (``.optim``).
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from adapters.actors import ray_node
-from adapters.cpu_threads import set_torch_threads
+from adapters.cpu_threads import PassThreads, set_torch_threads
 from adapters.lora.model import LoRAModel
 from adapters.models.resolve import is_vision_language, text_settings
 from adapters.trainer.files import CheckpointFiles
@@ -83,7 +84,7 @@ class MultiLoRATrainer:
         config = AutoConfig.from_pretrained(location)
         text = text_settings(config)  # a vision-language checkpoint trains and serves as its text model
         self.shards = Shards(shard, self.device)
-        set_torch_threads(options.threads, self.shards.peers_here())
+        threads = set_torch_threads(options.threads, self.shards.peers_here())
         base = load_base(location, dtype, self.shards)
         base.requires_grad_(False)
         self.model = LoRAModel(base)
@@ -98,6 +99,9 @@ class MultiLoRATrainer:
         self.adapters = AdapterTable(self.model, self.device, options.max_adapters)
         """The training runs, by ``model_id``."""
         self.passes = ModelPasses(self.model, text.vocab_size, self.shards, options.activation_checkpointing_tokens)
+        self.threads = PassThreads(threads, _largest_weight(self.passes.recompute.layers[0]),
+                                   fixed=options.threads is not None or self.device.type != "cpu")
+        """Torch threads per pass (``adapters.cpu_threads``): a pass too small to split runs on one."""
         self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
         self.optimizers = Optimizers(self.adapters)
@@ -131,8 +135,9 @@ class MultiLoRATrainer:
     # ---- adapters -------------------------------------------------------------------------------------------------
     def model_facts(self) -> ModelFacts:
         """Who this trainer (or shard) is, and what it holds and runs with now: its base model's bytes, and the
-        threads torch uses on the thread that runs its work (this one: the actor runs one call at a time)."""
-        return replace(self.facts, base_bytes=resident_bytes(self.model.base), threads=torch.get_num_threads())
+        threads torch runs its passes with (read back from torch when it started; a pass too small to split runs on
+        one, ``PassThreads``)."""
+        return replace(self.facts, base_bytes=resident_bytes(self.model.base), threads=self.threads.most)
 
     def create(self, model_id: str, spec: LoraSpec) -> None:
         """Add a freshly initialised adapter (LoRA B = 0, so it starts equal to the base model)."""
@@ -173,6 +178,7 @@ class MultiLoRATrainer:
     def forward_backward_batch(self, requests: list[StepRequest]) -> list[StepResult | UserError]:
         """Run several requests — of any adapters, ranks and losses on this base model — as one mixed-adapter batch;
         each request gets its result or its own error (``adapters.trainer.forward``)."""
+        self.threads.set_for(sum(d.tokens.size for request in requests for d in request.data))
         return self.forward_pass.run(requests)
 
     def optim_step(self, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
@@ -238,3 +244,9 @@ class MultiLoRATrainer:
             self.adapters.discard(staged)
         raise error or UserError("the checkpoint could not be read by every trainer shard; on a Ray cluster, "
                                  "--storage-dir must be one filesystem every node sees")
+
+
+def _largest_weight(layer: torch.nn.Module) -> int:
+    """Elements of a decoder layer's largest weight matrix: the multiply-adds per token of its largest matmul (a
+    mixture-of-experts layer's 3-D expert weights count one expert's matrix)."""
+    return max((math.prod(p.shape[-2:]) for p in layer.parameters() if p.dim() >= 2), default=1)  # global shapes
