@@ -116,35 +116,42 @@ class ActivationBudget:
         self.cap = cap
         """Most bytes a pass may use whatever is free (``--activation-memory-mib``), or None."""
 
-    def available(self) -> int:
-        free = available_bytes(self.device)
+    def free(self) -> int:
+        """Bytes free for a pass on this device now: read once per pass (``adapters.trainer.passes``) and handed
+        to the decisions below, which all see the same figure."""
+        return available_bytes(self.device)
+
+    def usable(self, free: int | None = None) -> int:
+        """What a pass counts on, of ``free`` (None: read now): all of it, or the cap when lower."""
+        free = self.free() if free is None else free
         return free if self.cap is None else min(free, self.cap)
 
-    def fits(self, tokens: int) -> bool:
-        return tokens * self.per_token <= KEEP_SHARE * self.available()
+    def fits(self, tokens: int, free: int | None = None) -> bool:
+        """Whether a pass over ``tokens`` may keep its activations."""
+        return tokens * self.per_token <= self.room(free)
 
     def needed(self, tokens: int, checkpointed: bool) -> float:
         """Bytes a pass over ``tokens`` holds for backward, checkpointed or not (``KEEP_SHARE`` of the memory
         available is what it may take: the rest is what backward allocates beside them)."""
         return tokens * (self.checkpointed_per_token if checkpointed else self.per_token)
 
-    def room(self) -> float:
-        """Bytes a pass's activations may take now: ``KEEP_SHARE`` of the memory available."""
-        return KEEP_SHARE * self.available()
+    def room(self, free: int | None = None) -> float:
+        """Bytes a pass's activations may take: ``KEEP_SHARE`` of the memory usable."""
+        return KEEP_SHARE * self.usable(free)
 
-    def shortfall(self, tokens: int, checkpointed: bool) -> str | None:
-        """Why a training pass over ``tokens`` tokens cannot run now, or None when it can."""
-        needed, available = self.needed(tokens, checkpointed), self.available()
-        if needed <= KEEP_SHARE * available:
+    def shortfall(self, tokens: int, checkpointed: bool, free: int | None = None) -> str | None:
+        """Why a training pass over ``tokens`` tokens cannot run, or None when it can."""
+        free = self.free() if free is None else free
+        needed, usable = self.needed(tokens, checkpointed), self.usable(free)
+        if needed <= KEEP_SHARE * usable:
             return None
         how = ("with every decoder layer recomputed in backward" if checkpointed else
                "keeping its activations (passes that checkpoint: --activation-checkpointing-tokens)")
-        limit = " (--activation-memory-mib)" if self.cap is not None and self.cap <= available_bytes(self.device) \
-            else ""
+        limit = " (--activation-memory-mib)" if usable < free else ""
         return (f"a training pass of {tokens} tokens would hold about {needed / 2**20:.0f} MiB of activations "
-                f"{how}, more than a third of the {available / 2**20:.0f} MiB available on {self.device}{limit}; "
+                f"{how}, more than a third of the {usable / 2**20:.0f} MiB available on {self.device}{limit}; "
                 f"send fewer tokens per call")
 
     def tokens_now(self) -> int:
         """The most tokens a pass may hold now and keep its activations (for the trainer's ready line)."""
-        return math.floor(KEEP_SHARE * self.available() / max(self.per_token, 1.0))
+        return math.floor(self.room() / max(self.per_token, 1.0))

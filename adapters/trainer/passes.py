@@ -64,13 +64,13 @@ class ModelPasses:
         probes: list[torch.Tensor] = []
         short = sum(d.tokens.size for d in data if d.tokens.size <= self.chunk_positions)
         if self.packs:
-            self._admit(sum(d.tokens.size for d in data), short)
-            run = lambda: self._packed(data, names, probes)  # noqa: E731
+            checkpointed = self._admit(sum(d.tokens.size for d in data), short)
+            run = lambda: self._packed(data, names, probes, checkpointed)  # noqa: E731
         else:
             real = sum(d.tokens.size for d in data)
             data, names, groups = self._buckets(data, names)
-            self._admit(_padded(data, groups), short)
-            run = lambda: self._in_rows(data, names, groups, probes)[:real]  # noqa: E731
+            checkpointed = self._admit(_padded(data, groups), short)
+            run = lambda: self._in_rows(data, names, groups, probes, checkpointed)[:real]  # noqa: E731
         return self.shards.through_root(self.base, run), probes
 
     def _buckets(self, data: list[DatumArrays], names: list[str | None]) -> tuple[
@@ -87,44 +87,47 @@ class ModelPasses:
         groups += [[len(data) + i] for i in range(missing)]
         return data + [IDLE_ROW] * missing, names + [None] * missing, groups
 
-    def _admit(self, tokens: int, short: int) -> None:
+    def _admit(self, tokens: int, short: int) -> bool:
         """Refuse a pass that trains over ``tokens`` tokens (padding included) whose activations would not fit
         (``ActivationBudget.shortfall``), before it runs: on every shard alike, agreed before the pass's first
         collective, so that a sharded trainer's group goes on (``memory.DoesNotFit``). And decide whether the
         scoring of its ``short`` tokens (of datums of at most one chunk) keeps their logits for backward: only when
         they fit beside the layers' activations, else each chunk of them is recomputed in backward, as a long
         datum's are (a float32 logit per vocabulary entry per token: 590 KiB a token at a 151k vocabulary, more
-        than a checkpointed pass keeps in its layers)."""
+        than a checkpointed pass keeps in its layers). Returns whether the pass checkpoints its layers. The memory
+        free is read once, here, for all three decisions."""
         budget = self.recompute.budget
         self.keeps_logits = True
         if budget is None or not torch.is_grad_enabled():
-            return
-        checkpointed = self.recompute.checkpoints(tokens)
+            return self.recompute.checkpoints(tokens)
+        free = budget.free()
+        checkpointed = self.recompute.checkpoints(tokens, free)
         self.keeps_logits = (budget.needed(tokens, checkpointed) + short * self.vocab_size * LOGIT_BYTES
-                             <= budget.room())
-        shortfall = budget.shortfall(tokens, checkpointed)
+                             <= budget.room(free))
+        shortfall = budget.shortfall(tokens, checkpointed, free)
         if self.shards.agreed(shortfall is None):
-            return
+            return checkpointed
         reasons = [f"{reason} (trainer shard {rank})" if self.shards.sharded else reason
                    for rank, reason in enumerate(self.shards.everywhere(shortfall)) if reason]
         raise DoesNotFit(reasons[0])
 
-    def _packed(self, data: list[DatumArrays], names: list[str | None], probes: list[torch.Tensor]) -> torch.Tensor:
+    def _packed(self, data: list[DatumArrays], names: list[str | None], probes: list[torch.Tensor],
+                checkpointed: bool) -> torch.Tensor:
         lengths = [d.tokens.size for d in data]
         ids = torch.from_numpy(np.concatenate([d.tokens for d in data]).astype(np.int64)).to(self.device)[None]
         packing = Packing(lengths, self.device)
-        with self.model.router.routing(names, lengths), self.recompute.for_pass(packing.tokens):
+        with self.model.router.routing(names, lengths), self.recompute.for_pass(checkpointed):
             embeds = self._embeds(ids, probes)
             # No cache: a training pass reads none, and a layer recomputed in backward must not append to one twice.
             return self.base.get_decoder()(inputs_embeds=embeds, position_ids=packing.positions, use_cache=False,
                                            packing=packing).last_hidden_state[0]
 
     def _in_rows(self, data: list[DatumArrays], names: list[str | None], groups: list[list[int]],
-                 probes: list[torch.Tensor]) -> torch.Tensor:
+                 probes: list[torch.Tensor], checkpointed: bool) -> torch.Tensor:
         pieces: list[torch.Tensor] = []
         order: list[int] = []
         # Every group's activations are kept until the batch's one backward: the batch checkpoints as a whole.
-        with self.recompute.for_pass(_padded(data, groups)):
+        with self.recompute.for_pass(checkpointed):
             for group in groups:
                 rows = [data[i] for i in group]
                 out = self._rows(rows, [names[i] for i in group], probes)

@@ -43,16 +43,17 @@ class LayerRecompute:
         for layer in self.layers:
             layer.forward = self._wrapped(layer.forward)
 
-    def checkpoints(self, tokens: int) -> bool:
-        """Whether a pass that trains over ``tokens`` tokens (padding included) checkpoints its layers."""
+    def checkpoints(self, tokens: int, free: int | None = None) -> bool:
+        """Whether a pass that trains over ``tokens`` tokens (padding included) checkpoints its layers, with
+        ``free`` bytes free for it (None: read now; ``ActivationBudget.free``)."""
         if self.min_tokens is None:
-            return self.budget is not None and not self.budget.fits(tokens)
+            return self.budget is not None and not self.budget.fits(tokens, free)
         return self.min_tokens > 0 and tokens >= self.min_tokens
 
-    def for_pass(self, tokens: int) -> _Pass:
-        """A context for the forward of one pass over ``tokens`` tokens: checkpointed if it trains and
-        ``checkpoints`` says so. Its backward, later, recomputes what it checkpointed by itself."""
-        return _Pass(self, torch.is_grad_enabled() and self.checkpoints(tokens))
+    def for_pass(self, checkpointed: bool) -> _Pass:
+        """A context for the forward of one pass: ``checkpointed`` (``checkpoints``, decided once before the pass)
+        if it trains. Its backward, later, recomputes what it checkpointed by itself."""
+        return _Pass(self, torch.is_grad_enabled() and checkpointed)
 
     def _wrapped(self, forward: Callable) -> Callable:
         def run(*args, **kwargs):
