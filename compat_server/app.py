@@ -18,9 +18,9 @@ from compat_server.routes.dashboard import DASHBOARD_ROUTES
 from compat_server.routes.serving import SERVING_ROUTER
 from compat_server.routes.tinker import ROUTES as TINKER_ROUTES
 from compat_server.routes.v1.answers import openai_error
-from compat_server.routes.v1.anthropic import ANTHROPIC_ROUTER
-from compat_server.routes.v1.openai import OPENAI_ROUTER
-from compat_server.routes.v1.responses import RESPONSES_ROUTER
+from compat_server.routes.v1.anthropic import anthropic_error
+from compat_server.routes.v1.mounts import HOSTED_ANTHROPIC_PREFIX, OPENAI_PREFIXES
+from compat_server.routes.v1.mounts import ROUTERS as OPENAI_ANTHROPIC_ROUTERS
 from compat_server.services import Services, start_services
 from shims.errors import NotFound, UserError, too_deeply_nested
 
@@ -55,8 +55,11 @@ def _bad_json(_: Request, exc: SerializationException) -> Response:
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
-    if request.url.path == "/v1" or request.url.path.startswith("/v1/"):  # e.g. an unknown /v1 path, a wrong method
+    path = request.url.path
+    if any(path == prefix or path.startswith(f"{prefix}/") for prefix in OPENAI_PREFIXES):  # e.g. a wrong method
         return openai_error(request, exc)
+    if path.startswith(f"{HOSTED_ANTHROPIC_PREFIX}/"):
+        return anthropic_error(request, exc)
     response = _error(exc.status_code, exc.detail, "user" if exc.status_code < 500 else "server")
     response.headers.update(exc.headers or {})  # e.g. WWW-Authenticate on an expired SDK token
     return response
@@ -88,7 +91,7 @@ def create_app(config: ServerConfig, services: Services | None = None) -> Litest
 
     plugins = [telemetry.litestar_plugin()] if telemetry.setup(config.otlp_endpoint) else []
     return Litestar(
-        route_handlers=[*TINKER_ROUTES, OPENAI_ROUTER, RESPONSES_ROUTER, ANTHROPIC_ROUTER, SERVING_ROUTER,
+        route_handlers=[*TINKER_ROUTES, *OPENAI_ANTHROPIC_ROUTERS, SERVING_ROUTER,
                         *DASHBOARD_ROUTES],
         plugins=plugins,
         on_startup=[startup],

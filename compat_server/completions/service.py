@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from adapters.models.resolve import BaseModelSpec
@@ -20,6 +20,7 @@ from compat_server.access.quotas import KeyQuota
 from compat_server.completions.workers import TokenWorkers
 from compat_server.records import Records
 from compat_server.sampling.service import SamplingService, Target
+from shims.errors import NotFound
 from shims.openai.choice import ChoiceOutput
 from shims.openai.errors import OpenAIError
 from shims.openai.limits import OpenAILimits
@@ -128,6 +129,11 @@ class CompletionsService:
         vocab.decode(vocab.encode("warm up"))
         return vocab
 
+    def limits_of(self, target: Target) -> SamplingLimits:
+        """What a request on ``target`` may ask: its base model's limits, at the context its model id asked for."""
+        limits = self.sampling.limits[target.base_model]
+        return limits if target.context is None else replace(limits, max_context=target.context)
+
     def model_name(self, model: str | None) -> str:
         """``model`` as given, or the one base model when the request names none (vLLM's rule)."""
         if model:
@@ -156,7 +162,7 @@ class CompletionsService:
         else:
             prompts = [await self.workers.run(vocab.encode, p, req.add_special_tokens) if isinstance(p, str) else p
                        for p in completion_inputs(req)]
-        limits = self.sampling.limits[target.base_model]
+        limits = self.limits_of(target)
         jobs = await self.workers.run(_sampling_jobs, req, tools, prompts, limits, self.limits)
         if ignored := ignored_fields(req):
             log.debug("%s request: ignored fields %s", "chat" if chat else "completion", ", ".join(ignored))
@@ -194,11 +200,19 @@ class CompletionsService:
         return {"object": "list", "data": data}
 
     def retrieve_model(self, owner: str, model: str) -> dict:
+        """The model card of ``model`` in any form a request may name it (``shims.openai.model_ids``): a listed id's
+        card as listed, another form's (``<base>;<path>``, a ``:peft:<n>`` context) with its own id and context."""
         for entry in self.list_models(owner)["data"]:
             if entry["id"] == model:
                 return entry
-        raise OpenAIError(404, f"the model {model!r} does not exist; GET /v1/models lists the models you can use",
-                          param="model", code="model_not_found")
+        try:
+            target = self.sampling.weights.for_model(owner, model)
+        except NotFound:
+            raise OpenAIError(404, f"the model {model!r} does not exist; GET /v1/models lists the models you can "
+                                   "use", param="model", code="model_not_found") from None
+        base = target.base_model
+        return {"id": model, "object": "model", "created": self.started, "owned_by": "compat-server", "root": base,
+                "parent": None if model == base else base, "max_model_len": self.limits_of(target).max_context}
 
 
 def _render_chat(vocab: Vocabulary, req: ChatRequest) -> list[int]:

@@ -18,6 +18,7 @@ from compat_server.services import Services
 from shims.openai.text import Vocabulary
 from shims.openai.tokenize_wire import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from shims.openai.wire import parse_request
+from shims.sampling.job import SamplingLimits
 
 
 @get("/health")
@@ -27,32 +28,33 @@ async def health() -> Response:
     return Response(b"", media_type="text/plain")
 
 
-async def _owner_vocab(services: Services, owner: str, model: str | None) -> tuple[Vocabulary, str]:
+async def _owner_vocab(services: Services, owner: str, model: str | None) -> tuple[Vocabulary, SamplingLimits]:
+    """The model's vocabulary and limits (its context as the model id asked, ``:peft:<n>``)."""
     completions = services.completions
     target = completions.sampling.weights.for_model(owner, completions.model_name(model))
-    return await completions.vocabulary(target.base_model), target.base_model
+    return await completions.vocabulary(target.base_model), completions.limits_of(target)
 
 
 @post("/tokenize", status_code=200)
 async def tokenize_route(request: Request, owner: NamedDependency[str], services: NamedDependency[Services]) -> dict:
     req = parse_request(TokenizeRequest, await request.json())
-    vocab, base = await _owner_vocab(services, owner, req.model)
-    return await services.completions.workers.run(tokenize, vocab, req, services.sampling.limits[base].max_context)
+    vocab, limits = await _owner_vocab(services, owner, req.model)
+    return await services.completions.workers.run(tokenize, vocab, req, limits.max_context)
 
 
 @post("/detokenize", status_code=200)
 async def detokenize_route(request: Request, owner: NamedDependency[str],
                            services: NamedDependency[Services]) -> dict:
     req = parse_request(DetokenizeRequest, await request.json())
-    vocab, base = await _owner_vocab(services, owner, req.model)
-    return await services.completions.workers.run(detokenize, vocab, req, services.sampling.limits[base].vocab_size)
+    vocab, limits = await _owner_vocab(services, owner, req.model)
+    return await services.completions.workers.run(detokenize, vocab, req, limits.vocab_size)
 
 
 @get("/tokenizer_info")
 async def tokenizer_info_route(owner: NamedDependency[str], services: NamedDependency[Services],
                                model: str | None = None) -> dict:
-    vocab, base = await _owner_vocab(services, owner, model)
-    return tokenizer_info(vocab, services.sampling.limits[base].max_context)
+    vocab, limits = await _owner_vocab(services, owner, model)
+    return tokenizer_info(vocab, limits.max_context)
 
 
 def _gauges(prefix: str, labels: dict[str, str], values: dict, out: dict[str, GaugeMetricFamily]) -> None:

@@ -55,7 +55,8 @@ class SamplingService:
         }
         self.meter = SamplingMeter(list(base_models), options.drift_probe_every, self._score)
         self.ephemeral = EphemeralWeights(ephemeral_root, options.ephemeral_keep)
-        self.weights = SamplerWeights(records, checkpoints, self.ephemeral, base_models)
+        self.weights = SamplerWeights(records, checkpoints, self.ephemeral, base_models,
+                                      {name: limits.max_context for name, limits in self.limits.items()})
         self.sessions = SamplingSessions(records, self.weights, self.ephemeral)
 
     # ---- the drift probe ------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from compat_server.records import Records
 from compat_server.runs.checkpoint_store import CheckpointStore, parse_path
 from compat_server.sampling.ephemeral import EphemeralWeights
 from shims.errors import NotFound, UserError
+from shims.openai.model_ids import parse_model_id
 
 
 class WeightsKind(StrEnum):
@@ -51,14 +52,18 @@ class Target:
     owner: str
     """The key it samples for: its metrics count the request."""
     weights: Callable[[], AdapterRef | None] = _base_weights
+    context: int | None = None
+    """The context the model id asked for (``:peft:<n>``), at most the base model's here; None: the base's."""
 
 
 class SamplerWeights:
     """Resolves what a request, a sampling session or a model name samples, checking the caller may use it."""
 
     def __init__(self, records: Records, checkpoints: CheckpointStore, ephemeral: EphemeralWeights,
-                 base_models: dict[str, BaseModelSpec]) -> None:
+                 base_models: dict[str, BaseModelSpec], contexts: Mapping[str, int]) -> None:
+        """``contexts``: each base model's context as its samplers serve it."""
         self.records = records
+        self.contexts = contexts
         self.checkpoints = checkpoints
         self.ephemeral = ephemeral
         self.base_models = base_models
@@ -129,17 +134,26 @@ class SamplerWeights:
         return target, row
 
     def for_model(self, owner: str, model: str) -> Target:
-        """An OpenAI ``model`` value → what to sample: a base model name, a ``tinker://…/sampler_weights/…`` path,
-        or ``<base>;<path>``. Unknown names raise ``ModelNotFound``."""
-        base_name, _, path = model.rpartition(";")
-        if not path.startswith("tinker://"):
-            if path not in self.base_models:
+        """An OpenAI ``model`` value in any of hosted Tinker's forms (``shims.openai.model_ids``) → what to sample:
+        a base model, a ``tinker://…/sampler_weights/…`` path, or ``<base>;<path>``, a base with a ``:peft:<n>``
+        context suffix in either. Unknown names raise ``ModelNotFound``; a checkpoint named on a base it was not
+        trained on, or a context longer than the base's here, is a ``UserError``."""
+        parsed = parse_model_id(model, self.base_models)
+        if parsed.path is None:
+            if parsed.base not in self.base_models:
                 raise ModelNotFound(f"the model {model!r} does not exist; GET /v1/models lists the models you can use")
-            return Target(path, owner)
-        try:
-            target = self.checkpoint_target(owner, path)
-        except UserError as exc:
-            raise ModelNotFound(str(exc)) from None
-        if base_name and base_name != target.base_model:
-            raise UserError(f"{path} was trained on {target.base_model}, not {base_name}")
-        return target
+            target = Target(parsed.base, owner)
+        else:
+            try:
+                target = self.checkpoint_target(owner, parsed.path)
+            except UserError as exc:
+                raise ModelNotFound(str(exc)) from None
+            if parsed.base is not None and parsed.base != target.base_model:
+                raise UserError(f"{parsed.path} was trained on {target.base_model}, not {parsed.base}")
+        if parsed.context is None:
+            return target
+        served = self.contexts[target.base_model]
+        if parsed.context > served:
+            raise UserError(f"{target.base_model} is served here with a context of {served} tokens, shorter than the "
+                            f"{parsed.context} that {model!r} asks for: use {target.base_model}:peft:{served} or less")
+        return replace(target, context=parsed.context)
