@@ -22,14 +22,15 @@ class Coalescer(Generic[Item, Result]):
     def __init__(self, run: RunBatch, take: TakeCount) -> None:
         self._run = run
         self._take = take
-        self._pending: list[tuple[Item, asyncio.Future]] = []
+        self._pending: list[tuple[Item, asyncio.Future, Callable[[], None] | None]] = []
         self._worker: asyncio.Task | None = None
 
-    async def submit(self, item: Item) -> Result:
-        """Queue ``item`` and return its outcome once the batch it joined has run."""
+    async def submit(self, item: Item, started: Callable[[], None] | None = None) -> Result:
+        """Queue ``item`` and return its outcome once the batch it joined has run; ``started`` is called when that
+        batch starts."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._pending.append((item, future))
+        self._pending.append((item, future, started))
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._drain())
         return await future
@@ -38,18 +39,26 @@ class Coalescer(Generic[Item, Result]):
     def waiting(self) -> int:
         return len(self._pending)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a batch is running now (an item submitted waits for it to end)."""
+        return self._worker is not None and not self._worker.done()
+
     async def _drain(self) -> None:
         while True:
-            self._pending = [(item, future) for item, future in self._pending if not future.done()]  # callers gone
+            self._pending = [entry for entry in self._pending if not entry[1].done()]  # callers gone
             if not self._pending:
                 break
-            count = max(1, min(self._take([item for item, _ in self._pending]), len(self._pending)))
+            count = max(1, min(self._take([item for item, _, _ in self._pending]), len(self._pending)))
             batch, self._pending = self._pending[:count], self._pending[count:]
+            for _, _, started in batch:
+                if started is not None:
+                    started()
             try:
-                outcomes = await self._run([item for item, _ in batch])
+                outcomes = await self._run([item for item, _, _ in batch])
             except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about the failure
                 outcomes = [exc] * len(batch)
-            for (_, future), outcome in zip(batch, outcomes, strict=True):
+            for (_, future, _), outcome in zip(batch, outcomes, strict=True):
                 if future.done():
                     continue
                 if isinstance(outcome, BaseException):
@@ -62,6 +71,6 @@ class Coalescer(Generic[Item, Result]):
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
-        for _, future in self._pending:
+        for _, future, _ in self._pending:
             future.cancel()
         self._pending.clear()

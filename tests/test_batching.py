@@ -69,3 +69,28 @@ def test_trainer_batches_admit_requests_up_to_the_token_budget():
     assert pool._admit([step, _request(100), step]) == 3
     with pytest.raises(UserError, match="101 input tokens.*--max-batch-tokens 100"):
         asyncio.run(pool.forward_backward("base", _request(101)))
+
+
+def test_each_item_hears_when_its_batch_starts_and_busy_says_a_batch_runs():
+    events: list[str] = []
+
+    async def run(items: list[int]) -> list:
+        events.append(f"run {items}")
+        await asyncio.sleep(0.05)
+        return items
+
+    async def main():
+        coalescer = Coalescer(run, lambda pending: 10)
+        assert not coalescer.busy
+        first = asyncio.create_task(coalescer.submit(0, started=lambda: events.append("started 0")))
+        await asyncio.sleep(0.01)
+        assert coalescer.busy  # batch [0] runs: what arrives now waits for it
+        later = [asyncio.create_task(coalescer.submit(i, started=lambda i=i: events.append(f"started {i}")))
+                 for i in (1, 2)]
+        await asyncio.sleep(0.01)
+        assert "started 1" not in events
+        await asyncio.gather(first, *later)
+        assert not coalescer.busy
+
+    asyncio.run(main())
+    assert events == ["started 0", "run [0]", "started 1", "started 2", "run [1, 2]"]

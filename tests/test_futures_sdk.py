@@ -11,11 +11,12 @@ import sqlite3
 import time
 
 import httpx
+import numpy as np
 import pytest
 import tinker
 from tinker import types
 
-from tests.helpers import BASE_MODEL, MAIN_KEY, settled_decoded_tokens
+from tests.helpers import BASE_MODEL, MAIN_KEY, one_request, poll_future, settled_decoded_tokens
 
 PROMPT = types.ModelInput.from_ints([11, 42, 77, 103, 250])
 SHORT = types.SamplingParams(max_tokens=3, temperature=1.0)
@@ -125,3 +126,27 @@ def test_an_abandoned_sample_is_cancelled_on_the_server(server, tiny_model_dir):
     assert decoded < 1900, f"{decoded} of 2000 tokens were decoded for a sample cancelled after 0.3 s"
     again = sampler.sample(PROMPT, num_samples=1, sampling_params=SHORT).result(timeout=60)
     assert 1 <= len(again.sequences[0].tokens) <= 3
+
+
+def test_a_request_waiting_for_the_trainer_says_so_in_its_try_again(server):
+    """A request queued behind another tenant's batch answers ``try_again`` with hosted Tinker's
+    ``paused_capacity`` and why; once it runs and finishes, its result comes as usual."""
+    clients = {key: tinker.ServiceClient(base_url=server.base_url, api_key=key).create_lora_training_client(
+        base_model=BASE_MODEL, rank=4) for key in ("tml-queue-long", "tml-queue-short")}
+    long = [types.Datum(model_input=types.ModelInput.from_ints([(7 * i + j) % 400 for j in range(1024)]),
+                        loss_fn_inputs={"target_tokens": np.full(1024, 5, np.int64), "weights": np.ones(1024, np.float32)})
+            for i in range(40)]  # about 4 s of the tiny model's trainer on two idle cores, longer on a busy machine
+    busy = one_request(server.base_url, "tml-queue-long", clients["tml-queue-long"].model_id, 1, long)
+    time.sleep(0.5)  # its batch runs
+    short = one_request(server.base_url, "tml-queue-short", clients["tml-queue-short"].model_id, 1, long[:1])
+    states = []
+    while True:  # each poll is held up to the shared server's --poll-hold-seconds (2 s)
+        answer = httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers={"X-API-Key": "tml-queue-short"},
+                            json={"request_id": short}, timeout=60)
+        if not answer.headers["content-type"].startswith("application/json") or answer.json().get("type") != "try_again":
+            break
+        states.append((answer.json()["queue_state"], answer.json().get("queue_state_reason")))
+    assert answer.headers["content-type"].startswith("application/x-protobuf"), answer.text
+    assert states and states[0][0] == "paused_capacity", states
+    assert f"waiting for the trainer of {BASE_MODEL}" in states[0][1]
+    assert isinstance(poll_future(server.base_url, busy, "tml-queue-long"), bytes)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from adapters import waits
 from adapters.actors import ActorRestarting, ActorUnavailable, actor_proxy
 from adapters.boundary import actor_class, method_of
 from adapters.cpu_threads import sampler_environment
@@ -162,11 +163,13 @@ class SamplerPool:
         arrives meanwhile runs once the replica is back, instead of failing. Past ``deadline`` it fails as a server
         error."""
         log.warning("%s is restarting; a request waits for it", replica.what)
+        told = waits.waiting(f"waiting for {replica.what}, which is restarting")
         while True:
             if asyncio.get_running_loop().time() > deadline:
                 raise ActorUnavailable(f"{replica.what} did not come back within {RESTART_WAIT_SECONDS:.0f} s")
             try:
                 await replica.calls.ready()
+                waits.running(told)
                 return
             except ActorRestarting:
                 await asyncio.sleep(1.0)

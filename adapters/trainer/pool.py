@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from adapters import waits
 from adapters.batching import Coalescer
 from adapters.boundary import Method
 from adapters.models.resolve import BaseModelSpec
@@ -140,12 +141,22 @@ class TrainerPool:
                 raise UserError(f"this request holds {tokens} input tokens, more than one batch may "
                                 f"(--max-batch-tokens {self.options.max_batch_tokens}); send fewer or shorter datums "
                                 "per call")
-            return await self.batches[base_model].submit(request)  # type: ignore[return-value]
+            return await self._submit(base_model, request)  # type: ignore[return-value]
 
     async def optim_step(self, base_model: str, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
         """Apply one run's accumulated gradient, together with whatever other runs' requests are waiting."""
         with self.traced("optim_step", model_id):
-            return await self.batches[base_model].submit(OptimRequest(model_id, hyper))  # type: ignore[return-value]
+            return await self._submit(base_model, OptimRequest(model_id, hyper))  # type: ignore[return-value]
+
+    async def _submit(self, base_model: str, request: StepRequest | OptimRequest) -> StepOutcome:
+        """Into the base model's next batch; while a batch of other runs' requests holds the trainer, the request
+        says it waits for it (``adapters.waits``: its future's ``queue_state``)."""
+        batches = self.batches[base_model]
+        if not batches.busy:
+            return await batches.submit(request)
+        told = waits.waiting(f"waiting for the trainer of {base_model}: it is running other requests, and "
+                             f"{batches.waiting} more wait for it")
+        return await batches.submit(request, started=lambda: waits.running(told))
 
     async def watch(self, every: float) -> None:
         """Check every ``every`` seconds that each trainer's processes are all still there (one that died while idle

@@ -103,6 +103,8 @@ class FutureHub:
         """Submit to result per future (what a client waits in all), and each poll including the time it is held."""
         self._per_key: dict[str, Windows] = {}
         """Each key's own windows (what a tenant's metrics show it)."""
+        self._waiting: dict[str, str] = {}
+        """Why unfinished futures wait for compute, while they do (``adapters.waits``): their ``queue_state``."""
 
     def create(self, *, owner: str, model_id: str | None, seq_id: int | None, kind: str,
                idempotency_key: str | None, poll_group: str | None = None) -> tuple[str, bool]:
@@ -137,7 +139,19 @@ class FutureHub:
         self.records.futures.fail_future(request_id, error=message, category=category)
         self._wake(request_id, {"state": "failed", "category": category})
 
+    def waiting(self, request_id: str, reason: str | None) -> None:
+        """Record why an unfinished future waits for compute, or (None) that its work runs."""
+        if reason is None:
+            self._waiting.pop(request_id, None)
+        elif request_id in self._open:
+            self._waiting[request_id] = reason
+
+    def wait_reason(self, request_id: str) -> str | None:
+        """Why the future waits for compute now, or None (queued in its model's order, or running)."""
+        return self._waiting.get(request_id)
+
     def _wake(self, request_id: str, outcome: dict[str, str]) -> None:
+        self._waiting.pop(request_id, None)
         opened = self._open.pop(request_id, None)
         if opened is not None:
             owner, kind, submitted = opened

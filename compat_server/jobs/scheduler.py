@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, StatusCode
 
+from adapters import waits
 from adapters.trainer.interface import Trainer
 from adapters.trainer.pool import TrainerPool
 from compat_server.jobs.futures import FutureHub, Payload
@@ -140,6 +141,7 @@ class Scheduler:
     async def _run(self, queued: _Queued) -> None:
         queued.queued.end()
         request_id = queued.request_id
+        told = waits.listener.set(lambda reason: self.hub.waiting(request_id, reason))  # the pools say it waits
         with tracer.start_as_current_span(queued.kind, context=queued.context,
                                           attributes=queued.attributes) as span:
             try:
@@ -153,6 +155,8 @@ class Scheduler:
                 self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
             else:
                 self.hub.complete(request_id, payload)
+            finally:
+                waits.listener.reset(told)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running sample (``cancel_future``): its sampler work is cancelled, as for an OpenAI client that

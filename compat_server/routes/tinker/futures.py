@@ -23,12 +23,17 @@ MAX_COMPLETIONS_PER_POLL = 1_000
 @post("/api/v1/retrieve_future", status_code=200)
 async def retrieve_future(owner: NamedDependency[str], services: NamedDependency[Services],
                           data: Annotated[types.FutureRetrieveRequest, Body()]) -> Response:
-    """The SDK re-polls at once on ``try_again``, so the server holds each poll open for a few seconds first."""
+    """The SDK re-polls at once on ``try_again``, so the server holds each poll open for a few seconds first. A
+    ``try_again`` says whether the request is queued or running (``active``) or waits for compute that other
+    requests hold (``paused_capacity``, with the reason, which the SDK logs after a long pause), as hosted Tinker's
+    do."""
     row = await services.hub.wait(data.request_id, owner, services.config.poll_hold_seconds)
     if row is None:
         raise NotFoundException(f"unknown request_id {data.request_id!r}")
     if row["state"] == "pending":
-        return Response(TryAgainResponse(request_id=data.request_id, queue_state="active").model_dump())
+        reason = services.hub.wait_reason(data.request_id)
+        answer = TryAgainResponse(request_id=data.request_id, queue_state="paused_capacity" if reason else "active")
+        return Response({**answer.model_dump(), "queue_state_reason": reason})
     if row["state"] == "failed":
         return Response(types.RequestFailedResponse(error=row["error"], category=row["category"]).model_dump(
             mode="json"))
