@@ -248,8 +248,13 @@ def test_live_responses_validate_against_pinned_schemas(server):
                      "SaveWeightsResponse")
     c.result(c.post("save_weights_for_sampler", {"model_id": model_id, "path": "c1", "seq_id": 4}, None),
              "SaveWeightsForSamplerResponseInternal")
-    c.result(c.post("load_weights", {"model_id": model_id, "seq_id": 5, "path": saved["path"], "optimizer": True},
-                    None), "LoadWeightsResponse")
+    refused = c.result(c.post("load_weights", {"model_id": model_id, "seq_id": 5, "path": saved["path"],
+                                                "optimizer": True}, None), None)  # only a first request may load
+    assert refused["category"] == "user" and "LoadWeights is not permitted with seq_id 5" in refused["error"]
+    loaded = c.result(c.post("create_model", {"session_id": session, "model_seq_id": 2, "base_model": BASE_MODEL,
+                                              "lora_config": {"rank": 4}}, None), "CreateModelResponse")
+    c.result(c.post("load_weights", {"model_id": loaded["model_id"], "seq_id": 1, "path": saved["path"],
+                                     "optimizer": True}, None), "LoadWeightsResponse")
     failed = c.result(c.post("save_weights", {"model_id": model_id, "path": "c1", "seq_id": 6}, None), None)
     assert failed["category"] == "user" and "already exists" in failed["error"]
     c.result(c.post("unload_model", {"model_id": model_id}, None), "UnloadModelResponse")

@@ -107,6 +107,12 @@ def test_resume_from_state_is_exact(service_client, server, tiny_model_dir, datu
     train(reloaded, datum, 2)
     np.testing.assert_allclose(forward_logprobs(reloaded, datum), final_a, atol=1e-6, rtol=0)
 
+    # A client that has made requests cannot load, as on hosted Tinker; the refusal takes its turn and the run goes on.
+    with pytest.raises(tinker.RequestFailedError, match="LoadWeights is not permitted with seq_id 7") as refused:
+        reloaded.load_state(state).result()  # after its load, 2 × (forward_backward, optim_step) and a forward
+    assert refused.value.category == types.RequestErrorCategory.User
+    train(reloaded, datum, 1)
+
     # Without it: the weights are the saved ones, and AdamW starts afresh.
     fresh = service_client.create_training_client_from_state(state).result()
     np.testing.assert_allclose(forward_logprobs(fresh, datum), at_save, atol=1e-6, rtol=0)

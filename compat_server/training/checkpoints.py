@@ -169,6 +169,8 @@ class CheckpointCalls:
                     owner=owner, kind="load_weights", idempotency_key=idem,
                     message="load_weights needs model_id, or session_id and model_seq_id"))
             return self._load_into_new_model(owner, req, idem)
+        if req.seq_id is not None and req.seq_id > 1:
+            return self.core.ordered(owner, "load_weights", req.model_id, req.seq_id, idem, _load_refused(req.seq_id))
 
         async def job(row: dict) -> Payload:
             ckpt = self._readable_checkpoint(owner, req.path)
@@ -222,3 +224,12 @@ class CheckpointCalls:
         log.info("weights loaded: %s ← %s (%s optimizer state)", model_id, path, "with" if with_optimizer else "without")
         return spec
 
+
+def _load_refused(seq_id: int):
+    """The job of a ``load_state`` that is not its client's first request: refused as hosted Tinker refuses it
+    (400, "LoadWeights is not permitted with seq_id N"), in its turn, so the run's later requests go on."""
+    async def job(_: dict) -> Payload:
+        raise UserError(f"LoadWeights is not permitted with seq_id {seq_id}: as on hosted Tinker, a checkpoint loads "
+                        "only as a training client's first request; load it into a new client instead "
+                        "(ServiceClient.create_training_client_from_state, or …_with_optimizer)")
+    return job
