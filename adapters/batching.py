@@ -6,8 +6,12 @@ and by the transformers sampler.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
+
+log = logging.getLogger("compat_server.batching")
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -32,7 +36,8 @@ class Coalescer(Generic[Item, Result]):
         future = loop.create_future()
         self._pending.append((item, future, started))
         if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._drain())
+            # A context of its own: the worker outlives this caller, whose context variables are not its own.
+            self._worker = loop.create_task(self._drain(), context=contextvars.Context())
         return await future
 
     @property
@@ -53,7 +58,10 @@ class Coalescer(Generic[Item, Result]):
             batch, self._pending = self._pending[:count], self._pending[count:]
             for _, _, started in batch:
                 if started is not None:
-                    started()
+                    try:
+                        started()
+                    except Exception:  # a listener's failure is not the batch's
+                        log.exception("a batch's start callback failed")
             try:
                 outcomes = await self._run([item for item, _, _ in batch])
             except Exception as exc:  # noqa: BLE001 - every caller in the batch must hear about the failure

@@ -19,7 +19,7 @@ from compat_server.routes.serving import SERVING_ROUTER
 from compat_server.routes.tinker import ROUTES as TINKER_ROUTES
 from compat_server.routes.v1.answers import openai_error
 from compat_server.routes.v1.anthropic import anthropic_error
-from compat_server.routes.v1.mounts import HOSTED_ANTHROPIC_PREFIX, OPENAI_PREFIXES
+from compat_server.routes.v1.mounts import ANTHROPIC_PREFIXES, OPENAI_PREFIXES
 from compat_server.routes.v1.mounts import ROUTERS as OPENAI_ANTHROPIC_ROUTERS
 from compat_server.services import Services, start_services
 from shims.errors import NotFound, UserError, too_deeply_nested
@@ -55,11 +55,11 @@ def _bad_json(_: Request, exc: SerializationException) -> Response:
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
-    path = request.url.path
-    if any(path == prefix or path.startswith(f"{prefix}/") for prefix in OPENAI_PREFIXES):  # e.g. a wrong method
-        return openai_error(request, exc)
-    if path.startswith(f"{HOSTED_ANTHROPIC_PREFIX}/"):
+    path = request.url.path  # e.g. an unknown path, a wrong method: answered in the shape its SDK reads
+    if any(path == prefix or path.startswith(f"{prefix}/") for prefix in ANTHROPIC_PREFIXES):
         return anthropic_error(request, exc)
+    if any(path == prefix or path.startswith(f"{prefix}/") for prefix in OPENAI_PREFIXES):
+        return openai_error(request, exc)
     response = _error(exc.status_code, exc.detail, "user" if exc.status_code < 500 else "server")
     response.headers.update(exc.headers or {})  # e.g. WWW-Authenticate on an expired SDK token
     return response

@@ -74,23 +74,47 @@ def test_trainer_batches_admit_requests_up_to_the_token_budget():
 def test_each_item_hears_when_its_batch_starts_and_busy_says_a_batch_runs():
     events: list[str] = []
 
-    async def run(items: list[int]) -> list:
-        events.append(f"run {items}")
-        await asyncio.sleep(0.05)
-        return items
-
     async def main():
+        release = asyncio.Event()
+
+        async def run(items: list[int]) -> list:
+            events.append(f"run {items}")
+            await release.wait()  # each batch runs until the test lets it end
+            release.clear()
+            return items
+
         coalescer = Coalescer(run, lambda pending: 10)
         assert not coalescer.busy
         first = asyncio.create_task(coalescer.submit(0, started=lambda: events.append("started 0")))
-        await asyncio.sleep(0.01)
+        while "run [0]" not in events:
+            await asyncio.sleep(0)
         assert coalescer.busy  # batch [0] runs: what arrives now waits for it
         later = [asyncio.create_task(coalescer.submit(i, started=lambda i=i: events.append(f"started {i}")))
                  for i in (1, 2)]
-        await asyncio.sleep(0.01)
+        for _ in range(10):
+            await asyncio.sleep(0)
         assert "started 1" not in events
-        await asyncio.gather(first, *later)
+        release.set()
+        await first
+        while "run [1, 2]" not in events:
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(*later)
         assert not coalescer.busy
 
     asyncio.run(main())
     assert events == ["started 0", "run [0]", "started 1", "started 2", "run [1, 2]"]
+
+
+def test_a_start_callback_that_fails_fails_nothing_else():
+    async def run(items: list[int]) -> list:
+        return [i * 10 for i in items]
+
+    def broken() -> None:
+        raise RuntimeError("listener gone")
+
+    async def main():
+        coalescer = Coalescer(run, lambda pending: 10)
+        return await asyncio.gather(coalescer.submit(1, started=broken), coalescer.submit(2))
+
+    assert asyncio.run(main()) == [10, 20]

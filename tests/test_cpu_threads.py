@@ -90,11 +90,12 @@ def _step(trainer: MultiLoRATrainer, length: int) -> int:
 @pytest.mark.parametrize("configured", [None, 2])
 def test_the_trainer_runs_small_passes_on_one_thread_and_large_ones_on_all(tiny_model_dir, configured):
     before = torch.get_num_threads()
-    trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(threads=configured))
-    trainer.create("run", LoraSpec(rank=4, seed=0))
-    most = configured or machine_cpus()
-    small = SPLIT_WORK // trainer.threads.per_token - 1
     try:
+        trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(threads=configured))
+        trainer.create("run", LoraSpec(rank=4, seed=0))
+        most = trainer.threads.most  # what torch read back when the trainer set its count
+        assert most == (configured or machine_cpus())
+        small = SPLIT_WORK // trainer.threads.per_token - 1
         assert _step(trainer, small) == (most if configured else 1)
         assert _step(trainer, small + 1) == most
         assert _step(trainer, 8) == (most if configured else 1)

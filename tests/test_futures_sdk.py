@@ -128,25 +128,45 @@ def test_an_abandoned_sample_is_cancelled_on_the_server(server, tiny_model_dir):
     assert 1 <= len(again.sequences[0].tokens) <= 3
 
 
-def test_a_request_waiting_for_the_trainer_says_so_in_its_try_again(server):
+@pytest.fixture(scope="module")
+def quick_polls(model_cache, tmp_path_factory):
+    """A server of its own whose polls are held a tenth of a second, so a waiting request's ``try_again`` comes while
+    it waits, however fast the machine runs the request it waits behind."""
+    from tests.server import start_server
+
+    running = start_server(tmp_path_factory.mktemp("quick-polls"), "--poll-hold-seconds", "0.1")
+    yield running
+    running.stop()
+
+
+def test_a_request_waiting_for_the_trainer_says_so_in_its_try_again(quick_polls):
     """A request queued behind another tenant's batch answers ``try_again`` with hosted Tinker's
-    ``paused_capacity`` and why; once it runs and finishes, its result comes as usual."""
+    ``paused_capacity`` and why; once its batch starts it is ``active`` again, and its result comes as usual."""
+    server = quick_polls
     clients = {key: tinker.ServiceClient(base_url=server.base_url, api_key=key).create_lora_training_client(
         base_model=BASE_MODEL, rank=4) for key in ("tml-queue-long", "tml-queue-short")}
     long = [types.Datum(model_input=types.ModelInput.from_ints([(7 * i + j) % 400 for j in range(1024)]),
                         loss_fn_inputs={"target_tokens": np.full(1024, 5, np.int64), "weights": np.ones(1024, np.float32)})
-            for i in range(40)]  # about 4 s of the tiny model's trainer on two idle cores, longer on a busy machine
+            for i in range(8)]  # about a second of the tiny model's trainer on two idle cores
+
+    def polls(request_id: str, key: str) -> tuple[list[tuple[str, str | None]], httpx.Response]:
+        states = []
+        while True:
+            answer = httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers={"X-API-Key": key},
+                                json={"request_id": request_id}, timeout=60)
+            if not answer.headers["content-type"].startswith("application/json") \
+                    or answer.json().get("type") != "try_again":
+                return states, answer
+            states.append((answer.json()["queue_state"], answer.json().get("queue_state_reason")))
+            if key == "tml-queue-long":
+                return states, answer
+
     busy = one_request(server.base_url, "tml-queue-long", clients["tml-queue-long"].model_id, 1, long)
-    time.sleep(0.5)  # its batch runs
+    running, _ = polls(busy, "tml-queue-long")  # its batch holds the trainer now (nothing else runs on this server)
+    assert running == [("active", None)]
     short = one_request(server.base_url, "tml-queue-short", clients["tml-queue-short"].model_id, 1, long[:1])
-    states = []
-    while True:  # each poll is held up to the shared server's --poll-hold-seconds (2 s)
-        answer = httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers={"X-API-Key": "tml-queue-short"},
-                            json={"request_id": short}, timeout=60)
-        if not answer.headers["content-type"].startswith("application/json") or answer.json().get("type") != "try_again":
-            break
-        states.append((answer.json()["queue_state"], answer.json().get("queue_state_reason")))
+    states, answer = polls(short, "tml-queue-short")
     assert answer.headers["content-type"].startswith("application/x-protobuf"), answer.text
-    assert states and states[0][0] == "paused_capacity", states
-    assert f"waiting for the trainer of {BASE_MODEL}" in states[0][1]
+    assert states and states[0] == ("paused_capacity",
+                                    f"waiting for the trainer of {BASE_MODEL}: it is running other requests"), states
     assert isinstance(poll_future(server.base_url, busy, "tml-queue-long"), bytes)

@@ -67,6 +67,10 @@ def test_every_model_id_form_samples_the_same_weights_at_hosted_tinkers_base_url
     assert answered.output_text == TARGET
     assert [m.id for m in hosted.models.list().data] == [m.id for m in vllm_paths.models.list().data]
     assert adapter_path in [m.id for m in hosted.models.list().data]
+    for model in (adapter_path, f"{BASE_MODEL};{adapter_path}", f"{BASE_MODEL}:peft:64;{adapter_path}"):
+        card = hosted.models.retrieve(model)  # the SDK sends the path's "//" as "%2F%2F", which the route collapses
+        assert card.id == model and card.model_extra["root"] == BASE_MODEL
+    assert hosted.models.retrieve(f"{BASE_MODEL}:peft:64;{adapter_path}").model_extra["max_model_len"] == 64
 
 
 def test_a_context_suffix_sets_the_context_and_one_longer_than_served_is_refused(hosted, server, adapter_path,
@@ -98,6 +102,11 @@ def test_a_checkpoint_on_another_base_or_an_unknown_model_is_refused_in_openais_
     answer = httpx.get(f"{server.base_url}{HOSTED_OPENAI}/no/such/route", timeout=30,
                        headers={"Authorization": f"Bearer {MAIN_KEY}"})
     assert answer.status_code == 404 and answer.json()["error"]["message"]
+    answer = httpx.get(f"{server.base_url}/anthropic/api/v1/no/such/route", timeout=30,
+                       headers={"x-api-key": MAIN_KEY})
+    assert answer.status_code == 404 and answer.json()["type"] == "error" and answer.json()["error"]["message"]
+    answer = httpx.get(f"{server.base_url}/anthropic/api/v1/messages", timeout=30, headers={"x-api-key": MAIN_KEY})
+    assert answer.status_code == 405 and answer.json()["type"] == "error"  # a wrong method, in Anthropic's shape
 
 
 def test_the_anthropic_sdk_and_litellm_at_hosted_tinkers_base_urls(server, adapter_path, context):

@@ -22,6 +22,9 @@ SERVED = {"Qwen/Qwen3-8B", "odd:peft:7"}
     ("Qwen/Qwen3-8B:peft:", ModelId("Qwen/Qwen3-8B:peft:")),
     ("Qwen/Qwen3-8B:peft:-1", ModelId("Qwen/Qwen3-8B:peft:-1")),
     ("a;b", ModelId("a;b")),  # no checkpoint after the ';': one (unknown) name
+    (f";{PATH}", ModelId(None, None, PATH)),
+    ("Qwen/Qwen3-8B:peft:0", ModelId("Qwen/Qwen3-8B:peft:0")),  # no context of 0: an (unknown) name
+    ("Qwen/Qwen3-8B:peft:5\n", ModelId("Qwen/Qwen3-8B:peft:5\n")),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_each_form_parses_into_base_context_and_path(model, parsed):
     assert parse_model_id(model, SERVED) == parsed

@@ -200,6 +200,7 @@ class MultiLoRATrainer:
             probe = self._read_on_every_shard(
                 lambda: self.files.staged(Path(directory), read_lora_spec(Path(directory)), with_optimizer=False))
         try:
+            self.threads.set_for(len(tokens))
             datum = DatumArrays(tokens=np.asarray(tokens[:-1], dtype=np.int64)) if self.shards.writes else None
             return self.passes.score(datum, None if probe is None else probe.name, tokens[1:])
         finally:

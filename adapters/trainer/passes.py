@@ -94,18 +94,22 @@ class ModelPasses:
         scoring of its ``short`` tokens (of datums of at most one chunk) keeps their logits for backward: only when
         they fit beside the layers' activations, else each chunk of them is recomputed in backward, as a long
         datum's are (a float32 logit per vocabulary entry per token: 590 KiB a token at a 151k vocabulary, more
-        than a checkpointed pass keeps in its layers). Returns whether the pass checkpoints its layers. The memory
-        free is read once, here, for all three decisions."""
+        than a checkpointed pass keeps in its layers). Returns whether the pass checkpoints its layers: on a sharded
+        trainer every shard does if one does (a recomputed layer gathers its weights again, so shards that decided
+        apart would run different collectives). The memory free is read once, here, for all three decisions."""
         budget = self.recompute.budget
         self.keeps_logits = True
-        if budget is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return False
+        if budget is None:
             return self.recompute.checkpoints(tokens)
         free = budget.free()
         checkpointed = self.recompute.checkpoints(tokens, free)
+        shortfall = budget.shortfall(tokens, checkpointed, free)
+        fits, checkpointed = self.shards.agreed_pass(shortfall is None, checkpointed)
         self.keeps_logits = (budget.needed(tokens, checkpointed) + short * self.vocab_size * LOGIT_BYTES
                              <= budget.room(free))
-        shortfall = budget.shortfall(tokens, checkpointed, free)
-        if self.shards.agreed(shortfall is None):
+        if fits:
             return checkpointed
         reasons = [f"{reason} (trainer shard {rank})" if self.shards.sharded else reason
                    for rank, reason in enumerate(self.shards.everywhere(shortfall)) if reason]

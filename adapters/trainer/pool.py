@@ -154,8 +154,7 @@ class TrainerPool:
         batches = self.batches[base_model]
         if not batches.busy:
             return await batches.submit(request)
-        told = waits.waiting(f"waiting for the trainer of {base_model}: it is running other requests, and "
-                             f"{batches.waiting} more wait for it")
+        told = waits.waiting(f"waiting for the trainer of {base_model}: it is running other requests")
         return await batches.submit(request, started=lambda: waits.running(told))
 
     async def watch(self, every: float) -> None:

@@ -159,6 +159,14 @@ class Shards:
         failed = self.sum(torch.tensor([0.0 if ok else 1.0], device=self.device))
         return float(failed.item()) == 0.0
 
+    def agreed_pass(self, fits: bool, checkpointed: bool) -> tuple[bool, bool]:
+        """Whether a training pass fits on every shard, and whether any shard checkpoints it (then every shard
+        must: ``adapters.trainer.passes``), in one all-reduce before the pass's first collective."""
+        if self.world == 1:
+            return fits, checkpointed
+        votes = self.sum(torch.tensor([0.0 if fits else 1.0, 1.0 if checkpointed else 0.0], device=self.device))
+        return float(votes[0].item()) == 0.0, float(votes[1].item()) > 0.0
+
     def through_root(self, model: nn.Module, run: Callable[[], T]) -> T:
         """``run()`` as the forward of the sharded model's root module, so that FSDP2 prepares the pass in the root
         module's hooks: the trainer runs the embedding and the decoder itself (``adapters.trainer.passes``), not the

@@ -15,7 +15,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 CHECKPOINT_SCHEME = "tinker://"
-_CONTEXT_SUFFIX = re.compile(r"^(?P<base>.+):peft:(?P<context>[0-9]{1,12})$")
+_CONTEXT_SUFFIX = re.compile(r"(?P<base>.+):peft:(?P<context>[1-9][0-9]{0,11})")
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,11 @@ def parse_model_id(model: str, served: Container[str]) -> ModelId:
     base, separator, path = model.rpartition(";")
     if not path.startswith(CHECKPOINT_SCHEME):
         base, path = model, None
-    elif not separator:
+    elif not separator or not base:
         return ModelId(None, None, path)
     if base in served:
         return ModelId(base, None, path)
-    suffix = _CONTEXT_SUFFIX.match(base)
+    suffix = _CONTEXT_SUFFIX.fullmatch(base)
     if suffix is None:
         return ModelId(base, None, path)
     return ModelId(suffix["base"], int(suffix["context"]), path)

@@ -20,7 +20,9 @@ HOSTED_ANTHROPIC_PREFIX = "/anthropic/api/v1"
 """Hosted Tinker's Anthropic-compatible base path (``/anthropic/api``) with the ``/v1`` its SDK appends."""
 
 OPENAI_PREFIXES = ("/v1", HOSTED_OPENAI_PREFIX)
-"""Paths under which an error answers in OpenAI's shape (``compat_server.app``), whatever the route."""
+"""Paths under which an error answers in OpenAI's shape (``compat_server.app``), whatever the route..."""
+ANTHROPIC_PREFIXES = ("/v1/messages", "/anthropic/api")
+"""… but these, in Anthropic's (checked first)."""
 
 HOSTED_OPENAI_ROUTER = Router(
     path=HOSTED_OPENAI_PREFIX,

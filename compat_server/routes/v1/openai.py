@@ -7,6 +7,8 @@ SDK raises its own typed exceptions: 401 for a bad key, 404 for an unknown model
 
 from __future__ import annotations
 
+import re
+
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath
@@ -14,6 +16,8 @@ from litestar.response import Stream
 
 from compat_server.routes.v1.answers import ERROR_CLASSES, openai_error, respond
 from compat_server.services import Services
+
+COLLAPSED_SCHEME = re.compile(r"(^|;)tinker:/(?!/)")
 
 
 async def _answer(request: Request, services: Services, owner: str, chat: bool) -> Response | Stream:
@@ -41,9 +45,8 @@ async def list_models(owner: NamedDependency[str], services: NamedDependency[Ser
 @get("/models/{model:path}")
 async def retrieve_model(model: FromPath[str], owner: NamedDependency[str],
                          services: NamedDependency[Services]) -> dict:
-    model = model.lstrip("/")
-    if model.startswith("tinker:/") and not model.startswith("tinker://"):  # URL paths collapse the double slash
-        model = "tinker://" + model[len("tinker:/"):]
+    # URL paths collapse a double slash, even sent as %2F%2F: tinker:// again, alone or after "<base>;"
+    model = COLLAPSED_SCHEME.sub(r"\1tinker://", model.lstrip("/"))
     return services.completions.retrieve_model(owner, model)
 
 
