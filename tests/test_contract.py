@@ -336,3 +336,18 @@ def test_live_openai_responses_conform(server):
     error = http.post("/chat/completions", json={**chat, "model": "nope"})
     assert error.status_code == 404
     jsonschema.validate(error.json()["error"], schemas["ErrorObject"])
+
+
+def test_documented_types_are_still_ahead_of_the_installed_sdk():
+    """``contract/documented.py`` pins fields hosted Tinker documents for a newer SDK than the one installed. Once the
+    installed SDK carries one, its own type is the source of truth: use it and delete the documented one."""
+    from importlib.metadata import version
+
+    from contract import documented
+
+    for documented_type, fields in documented.ADDED_FIELDS.items():
+        sdk_type = documented_type.__mro__[1]
+        carried = [name for name in fields if name in sdk_type.model_fields]
+        assert not carried, (f"tinker {version('tinker')} now carries {sdk_type.__name__}.{', '.join(carried)}: answer "
+                             f"with its own type and delete contract.documented.{documented_type.__name__}")
+        assert all(name in documented_type.model_fields for name in fields)

@@ -58,7 +58,7 @@ def _status(future) -> int:
     return info.value.status_code
 
 
-def test_training_runs_paginate_and_describe_their_checkpoints(tenant):
+def test_training_runs_paginate_and_describe_their_checkpoints(tenant, server):
     client, runs, state, sampler = tenant
     rest = client.rest
     ids = [r.model_id for r in runs]
@@ -75,6 +75,13 @@ def test_training_runs_paginate_and_describe_their_checkpoints(tenant):
     assert {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints} == {state, sampler}
     session = rest.get_session(client.holder.get_session_id()).result()
     assert session.training_run_ids == ids
+    # SDK 0.39's Checkpoint.base_model (contract/documented.py), on every checkpoint the REST routes return.
+    raw = httpx.get(f"{server.base_url}/api/v1/training_runs/{ids[0]}/checkpoints",
+                    headers={"X-API-Key": "tml-test-rest-a"}, timeout=30).json()["checkpoints"]
+    assert {c["tinker_path"]: c["base_model"] for c in raw} == {state: BASE_MODEL, sampler: BASE_MODEL}
+    raw_run = httpx.get(f"{server.base_url}/api/v1/training_runs/{ids[0]}",
+                        headers={"X-API-Key": "tml-test-rest-a"}, timeout=30).json()
+    assert raw_run["last_checkpoint"]["base_model"] == raw_run["last_sampler_checkpoint"]["base_model"] == BASE_MODEL
     assert client.holder.get_session_id() in rest.list_sessions().result().sessions
 
 

@@ -25,6 +25,7 @@ from compat_server.records import Records
 from compat_server.runs.checkpoint_store import CheckpointStore, parse_path, tinker_path
 from compat_server.runs.downloads import DownloadGrant, UrlSigner
 from compat_server.training.core import model_id_for
+from contract import documented
 from shims.errors import NotFound, UserError
 
 log = logging.getLogger("compat_server.runs")
@@ -46,11 +47,13 @@ def string_metadata(text: str | None) -> dict[str, str]:
     return {key: value if isinstance(value, str) else json.dumps(value) for key, value in metadata.items()}
 
 
-def checkpoint_of(row: dict) -> types.Checkpoint:
-    return types.Checkpoint(
+def checkpoint_of(row: dict) -> documented.Checkpoint:
+    """A checkpoint as the REST routes answer it: the SDK's type with SDK 0.39's ``base_model``."""
+    return documented.Checkpoint(
         checkpoint_id=row["checkpoint_id"], checkpoint_type=row["kind"], time=row["created"],
         tinker_path=row["tinker_path"], size_bytes=row["size_bytes"], public=bool(row["public"]),
-        user_metadata=json.loads(row["user_metadata"] or "{}") or None, expires_at=row["expires_at"])
+        user_metadata=json.loads(row["user_metadata"] or "{}") or None, expires_at=row["expires_at"],
+        base_model=row["base_model"])
 
 
 class RunsService:
@@ -65,35 +68,35 @@ class RunsService:
             raise NotFound(f"training run {training_run_id!r} not found")
         return row
 
-    def _training_run(self, row: dict) -> types.TrainingRun:
+    def _training_run(self, row: dict) -> documented.TrainingRun:
         checkpoints = self.records.checkpoints.run_checkpoints(row["id"])
         last = {kind: next((checkpoint_of(c) for c in reversed(checkpoints) if c["kind"] == kind), None)
                 for kind in ("training", "sampler")}
-        return types.TrainingRun(
+        return documented.TrainingRun(
             training_run_id=row["id"], base_model=row["base_model"], model_owner=row["owner"][:16],
             is_lora=bool(row["is_lora"]), corrupted=False, lora_rank=row["lora_rank"],
             last_request_time=row["last_request"], last_checkpoint=last["training"],
             last_sampler_checkpoint=last["sampler"], user_metadata=string_metadata(row["user_metadata"]) or None)
 
-    def get_training_run(self, owner: str, training_run_id: str) -> types.TrainingRun:
+    def get_training_run(self, owner: str, training_run_id: str) -> documented.TrainingRun:
         return self._training_run(self._run(owner, training_run_id))
 
-    def list_training_runs(self, owner: str, limit: int, offset: int) -> types.TrainingRunsResponse:
+    def list_training_runs(self, owner: str, limit: int, offset: int) -> documented.TrainingRunsResponse:
         limit, offset = checked_page(limit, offset)
         rows, total = self.records.runs.models_page(owner, limit, offset)
-        return types.TrainingRunsResponse(training_runs=[self._training_run(r) for r in rows],
+        return documented.TrainingRunsResponse(training_runs=[self._training_run(r) for r in rows],
                                           cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
 
-    def list_checkpoints(self, owner: str, training_run_id: str) -> types.CheckpointsListResponse:
+    def list_checkpoints(self, owner: str, training_run_id: str) -> documented.CheckpointsListResponse:
         self._run(owner, training_run_id)
         rows = self.records.checkpoints.run_checkpoints(training_run_id)
-        return types.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows])
+        return documented.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows])
 
-    def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> types.CheckpointsListResponse:
+    def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> documented.CheckpointsListResponse:
         limit, offset = checked_page(limit, offset)
         rows, total = self.records.checkpoints.user_checkpoints(owner, limit, offset)
-        return types.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows],
-                                             cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
+        return documented.CheckpointsListResponse(checkpoints=[checkpoint_of(r) for r in rows],
+                                                  cursor=types.Cursor(offset=offset, limit=limit, total_count=total))
 
     def _owned_checkpoint(self, owner: str, training_run_id: str, checkpoint_id: str) -> dict:
         path = f"tinker://{training_run_id}/{checkpoint_id}"

@@ -15,6 +15,7 @@ from tinker import types
 
 from compat_server.runs.downloads import DownloadGrant
 from compat_server.services import Services
+from contract import documented
 
 API = "/api/v1"
 MAX_PAGE = 1000
@@ -36,25 +37,25 @@ CHECKPOINT = f"{API}/training_runs/{{run_id:str}}/checkpoints/{{kind:str}}/{{nam
 
 @get(f"{API}/training_runs")
 async def list_training_runs(owner: NamedDependency[str], services: NamedDependency[Services],
-                             limit: Limit = 20, offset: Offset = 0) -> types.TrainingRunsResponse:
+                             limit: Limit = 20, offset: Offset = 0) -> documented.TrainingRunsResponse:
     return services.runs.list_training_runs(owner, limit, offset)
 
 
 @get(f"{API}/training_runs/{{run_id:str}}")
 async def get_training_run(run_id: FromPath[str], owner: NamedDependency[str],
-                           services: NamedDependency[Services]) -> types.TrainingRun:
+                           services: NamedDependency[Services]) -> documented.TrainingRun:
     return services.runs.get_training_run(owner, run_id)
 
 
 @get(f"{API}/training_runs/{{run_id:str}}/checkpoints")
 async def list_checkpoints(run_id: FromPath[str], owner: NamedDependency[str],
-                           services: NamedDependency[Services]) -> types.CheckpointsListResponse:
+                           services: NamedDependency[Services]) -> documented.CheckpointsListResponse:
     return services.runs.list_checkpoints(owner, run_id)
 
 
 @get(f"{API}/checkpoints")
 async def list_user_checkpoints(owner: NamedDependency[str], services: NamedDependency[Services],
-                                limit: Limit = 100, offset: Offset = 0) -> types.CheckpointsListResponse:
+                                limit: Limit = 100, offset: Offset = 0) -> documented.CheckpointsListResponse:
     return services.runs.list_user_checkpoints(owner, limit, offset)
 
 
