@@ -93,15 +93,16 @@ def _assert_unchanged_and_serving(server, stored, before: dict) -> None:
 
 def _check_error_shape(path: str, response: httpx.Response | object) -> None:
     """A 4xx carries the shape its SDK parses: OpenAI's ``{"error": {...}}`` on /v1 and vLLM's routes beside it,
-    Anthropic's on /v1/messages, Tinker's flat one elsewhere."""
+    Anthropic's on /v1/messages, and the same under hosted Tinker's paths (/oai/api/v1, /anthropic/api), Tinker's flat
+    one elsewhere."""
     status = response.status_code
     assert status < 500, f"{path} answered {status}: {response.text[:500]}"
     if status < 400:
         return
     body = response.json()
-    if path.startswith("/v1/messages"):  # the Anthropic routes answer in Anthropic's shape
+    if path.startswith(("/v1/messages", "/anthropic/api/")):  # the Anthropic routes answer in Anthropic's shape
         assert body["type"] == "error" and set(body["error"]) >= {"type", "message"} and body["error"]["message"], body
-    elif path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info", "/metrics"):
+    elif path.startswith(("/v1/", "/oai/api/v1/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info", "/metrics"):
         assert set(body["error"]) >= {"message", "type", "param", "code"} and body["error"]["message"], body
     else:
         assert body["category"] == "user" and body["error"], body
