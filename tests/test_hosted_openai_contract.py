@@ -1,5 +1,5 @@
-"""What another Tinker-compatible server's OpenAI tests expect of hosted Tinker's endpoint (TuFT's
-``tests/test_openai_api.py``, its expectations re-written here against this server's fixtures), through
+"""What another Tinker-compatible server's OpenAI tests expect of hosted Tinker's endpoint (the OpenAI API tests of
+TuFT, agentscope-ai/TuFT on GitHub, their expectations re-written here against this server's fixtures), through
 ``{base}/oai/api/v1`` with plain HTTP as those tests send it: every expectation that is the OpenAI / hosted-Tinker
 contract. Left out, as TuFT's own formats: its ``<left>:sample:<right>`` response ids, 403 for a wrong key (OpenAI
 answers 401, as here), ``X-API-Key`` on these routes, ``{"detail"}`` error bodies, and 400 for a missing ``model``
