@@ -152,6 +152,19 @@ class AdapterNaming:
                 "rank_pattern": {leaf: parts * rank for leaf, parts in sorted(ranks.items())},
                 "alpha_pattern": {leaf: whole_if_integer(parts * alpha) for leaf, parts in sorted(ranks.items())}}
 
+    def file_bound(self) -> dict[str, tuple[int, int]]:
+        """Per weight group, the most numbers per unit of rank and the most tensors a file of this model's adapter
+        holds in either naming: a fused projection stored as one pair of rank parts × r (its B block-diagonal), routed
+        experts one pair each, a tied unembedding twice. What an upload of an adapter is bounded by before it is
+        stored (``compat_server.runs.uploads``)."""
+        bound: dict[str, tuple[int, int]] = {}
+        for key, slot in self.slots.items():
+            parts = len(self.fused[self._part_of[key]]) if key in self._part_of else 1
+            copies = (2 if self.tied and key == self.head else 1) * max(slot.experts, 1)
+            numbers, tensors = bound.get(slot.group, (0, 0))
+            bound[slot.group] = (numbers + copies * (slot.in_features + parts * slot.out_features), tensors + 2 * copies)
+        return bound
+
     # ---- reading ---------------------------------------------------------------------------------------------------
     def read(self, state: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Slot key → (A, B) from a file in either naming, of an adapter of ``rank``. A tied unembedding's input side

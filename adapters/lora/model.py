@@ -21,6 +21,9 @@ from adapters.lora.routing import Router
 from adapters.lora.targets import GROUPS, wrap_model
 from shims.errors import UserError
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+"""One slot's (A, B)."""
+
 
 class LoRAModel:
     """A base model whose adaptable modules (``adapters.lora.targets``) carry named adapters, routed by row."""
@@ -74,9 +77,15 @@ class LoRAModel:
 
     def put(self, name: str, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
             trainable: bool = False) -> None:
-        """Install an adapter from its tensors by slot key. Every tensor must name a slot of this model, with the
-        slot's shape for one common rank, and a module's slots come all or none: anything else is a ``UserError``
-        and installs nothing (a tensor no slot takes would be silently dropped)."""
+        """Install an adapter from its tensors by slot key, once ``check`` finds them fitting: anything else is a
+        ``UserError`` and installs nothing."""
+        for module, pairs in self.check(tensors):
+            module.lora.put(name, pairs, scaling, self.device, trainable)
+
+    def check(self, tensors: dict[str, Pair]) -> list[tuple[LoRALinear | LoRAExperts, list[Pair]]]:
+        """Each module ``tensors`` adapt, with its pairs, if every tensor names a slot of this model with the slot's
+        shape for one common rank and a module's slots come all or none; otherwise a ``UserError`` (a tensor no slot
+        takes would be silently dropped)."""
         unknown = sorted(set(tensors) - set(self.slots))
         if unknown:
             raise UserError(f"{len(unknown)} adapter tensors name no weight this model's LoRA adapts, e.g. "
@@ -85,7 +94,7 @@ class LoRAModel:
         if len(ranks) != 1:
             raise UserError(f"the adapter's tensors have different ranks ({sorted(ranks)})")
         rank = ranks.pop()
-        chosen: list[tuple[LoRALinear | LoRAExperts, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        chosen: list[tuple[LoRALinear | LoRAExperts, list[Pair]]] = []
         for module in self.modules.values():
             present = [slot.key for slot in module.lora.slots if slot.key in tensors]
             if not present:
@@ -100,8 +109,7 @@ class LoRAModel:
                     raise UserError(f"adapter tensor {slot.key} has shapes {list(a.shape)}, {list(b.shape)}; this "
                                     f"model needs {list(want[0])}, {list(want[1])}")
             chosen.append((module, [tensors[slot.key] for slot in module.lora.slots]))
-        for module, pairs in chosen:
-            module.lora.put(name, pairs, scaling, self.device, trainable)
+        return chosen
 
     def remove(self, name: str) -> None:
         for module in self.modules.values():

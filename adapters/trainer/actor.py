@@ -104,6 +104,7 @@ class MultiLoRATrainer:
         """Torch threads per pass (``adapters.cpu_threads``): a pass too small to split runs on one."""
         self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
         self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
+        self.facts = replace(self.facts, lora_file_bound=self.files.naming.file_bound())
         self.optimizers = Optimizers(self.adapters)
         self.facts = replace(self.facts, checkpointing=self._checkpointing(options))
 
@@ -221,6 +222,11 @@ class MultiLoRATrainer:
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""
         self.files.save_state(model_id, directory)
+
+    def import_adapter(self, source: str, spec: LoraSpec, directory: str) -> None:
+        """Check an adapter made elsewhere (an upload) against this model and ``spec``, and write it for samplers
+        (``adapters.trainer.files``); no run is touched."""
+        self.files.import_adapter(Path(source), spec, Path(directory))
 
     def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
         """Replace (or create) ``model_id``'s adapter with the checkpoint's weights, and optionally its optimizer

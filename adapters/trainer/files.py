@@ -40,20 +40,55 @@ class CheckpointFiles:
         self._write_adapter(model_id, Path(directory), export=True)
 
     def _write_adapter(self, model_id: str, out: Path, export: bool) -> None:
+        adapter = self.table.get_run(model_id)
+        self._write(out, self.table.model.tensors(adapter.name), adapter.spec.rank, adapter.scaling, export)
+
+    def _write(self, out: Path, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, scaling: float,
+               export: bool) -> None:
         from peft import LoraConfig
         from safetensors.torch import save_file
 
-        adapter = self.table.get_run(model_id)
-        tensors = self.table.model.tensors(adapter.name)
         state = self.naming.exported(tensors) if export else self.naming.stored(tensors)
-        alpha = whole_if_integer(adapter.scaling * adapter.spec.rank)
-        config = LoraConfig(r=adapter.spec.rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+        alpha = whole_if_integer(scaling * rank)
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                             base_model_name_or_path=self.location,
-                            **self.naming.peft_settings(list(tensors), adapter.spec.rank, alpha, export))
+                            **self.naming.peft_settings(list(tensors), rank, alpha, export))
         with writing(out):
             out.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
             config.save_pretrained(str(out))
+
+    def import_adapter(self, source: Path, spec: LoraSpec, out: Path) -> None:
+        """Check that an adapter made elsewhere (an upload: hosted Tinker's export naming, or PEFT's own) is a LoRA
+        of this model as ``spec`` describes it — its rank, only the weight groups it names, every tensor floating
+        point, finite and of its slot's shape, one scale (``rank_pattern`` / ``alpha_pattern``) — and write it into
+        ``out`` in the stored naming, which samplers load. Anything else is a ``UserError`` naming what is wrong."""
+        try:
+            state, scaling, rank = read_adapter_file(source)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever a malformed file raises, it is the uploader's to fix
+            raise UserError(f"the adapter could not be read: {exc}") from None
+        if rank != spec.rank:
+            raise UserError(f"adapter_config.json has r={rank}, but the upload was started for a LoRA of rank "
+                            f"{spec.rank} (lora_config.rank)")
+        for name, tensor in state.items():
+            if not tensor.is_floating_point():
+                raise UserError(f"adapter tensor {name} is {tensor.dtype}; LoRA weights are floating point")
+            if not torch.isfinite(tensor.float()).all():
+                raise UserError(f"adapter tensor {name} holds NaN or infinite values")
+        tensors = {key: (a.float(), b.float()) for key, (a, b) in self.naming.read(state, rank).items()}
+        if not tensors:
+            raise UserError("the adapter holds no LoRA tensors")
+        self.table.model.check(tensors)
+        if (found := next(iter(tensors.values()))[0].shape[-2]) != rank:
+            raise UserError(f"the adapter's tensors are of rank {found}, but adapter_config.json says r={rank}")
+        extra = self.table.model.slot_groups(tensors) - set(spec.groups())
+        if extra:
+            raise UserError(f"the adapter adapts {' and '.join(sorted(extra))} weights, which its lora_config leaves "
+                            f"out (train_attn={spec.train_attn}, train_mlp={spec.train_mlp}, "
+                            f"train_unembed={spec.train_unembed})")
+        self._write(out, tensors, rank, scaling, export=False)
 
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""

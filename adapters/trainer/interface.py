@@ -127,6 +127,9 @@ class ModelFacts:
     """The torch threads this process computes with (``torch.get_num_threads()``, read in it)."""
     checkpointing: str = ""
     """When a training pass checkpoints its layers' activations (``adapters.trainer.memory``), in words."""
+    lora_file_bound: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per weight group, the most numbers per unit of rank and the most tensors a file of an adapter of this model
+    holds (``adapters.lora.files.AdapterNaming.file_bound``): what bounds an upload before it is stored."""
 
 
 @dataclass
@@ -217,6 +220,13 @@ class Trainer(Protocol):
     @on_rank_zero
     async def save_state(self, model_id: str, directory: str) -> None:
         """Write a run's adapter, optimizer state and step into ``directory`` (a training checkpoint)."""
+        ...
+
+    @on_rank_zero
+    async def import_adapter(self, source: str, spec: LoraSpec, directory: str) -> None:
+        """Check that the adapter in ``source`` (made elsewhere: an upload) is a LoRA of this model as ``spec``
+        describes it, and write it into ``directory`` as a PEFT directory samplers load; a user error says what
+        does not fit."""
         ...
 
     async def load_state(self, model_id: str, directory: str, with_optimizer: bool) -> LoraSpec:
