@@ -16,6 +16,7 @@ from adapters.models.tiny import TINY_MODEL_NAME
 from adapters.samplers.options import SamplerOptions
 from adapters.samplers.vllm.parallel import gpus_per_replica_problem
 from adapters.trainer.options import TrainerOptions
+from compat_server.runs.options import UploadOptions
 from compat_server.sampling.options import SamplingOptions
 from compat_server.sessions.limits import SessionLimits
 from shims.custom_loss.limits import CustomLossLimits
@@ -103,6 +104,7 @@ class ServerConfig:
     download_url_ttl: float = option(
         3600.0, check=ABOVE_ZERO,
         help="seconds a signed checkpoint download URL (external_weights_urls) stays valid (default: %(default)s)")
+    uploads: UploadOptions = nested(UploadOptions, "adapter uploads")
     token_ttl: float = option(
         3600.0, check=at_least(120, "seconds (the SDK refreshes a minute early)"),
         help="seconds a token issued by /api/v1/auth/token stays valid: the tinker SDK exchanges its key for one "
@@ -183,6 +185,11 @@ class ServerConfig:
     @property
     def checkpoint_dir(self) -> Path:
         return (self.storage_dir or self.data_dir) / "checkpoints"
+
+    @property
+    def uploads_dir(self) -> Path:
+        """Files of adapter uploads not yet finished: beside the checkpoints, which they are linked into."""
+        return (self.storage_dir or self.data_dir) / "uploads"
 
     @property
     def ephemeral_dir(self) -> Path:

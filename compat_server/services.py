@@ -30,6 +30,7 @@ from compat_server.records import SCHEMA_VERSION, Records
 from compat_server.runs.checkpoint_store import CheckpointStore
 from compat_server.runs.downloads import UrlSigner
 from compat_server.runs.service import RunsService
+from compat_server.runs.uploads import UploadService
 from compat_server.sampling.service import SamplingService
 from compat_server.sessions.service import SessionService
 from compat_server.telemetry import observe, trainer_span
@@ -54,6 +55,7 @@ class Services:
     sampling: SamplingService
     completions: CompletionsService
     runs: RunsService
+    uploads: UploadService
     sessions: SessionService
     account: AccountService
     tokens: TokenIssuer
@@ -160,11 +162,13 @@ async def start_services(config: ServerConfig) -> Services:
     trainers.on_restart = training.reload_after_restart
     signer = UrlSigner(config.url_key_path, config.download_url_ttl)
     runs = RunsService(records, checkpoints, signer)
+    uploads = UploadService(records, checkpoints, signer, scheduler, base_models, config.uploads, config.uploads_dir,
+                            config.sampler.vllm.max_lora_rank)
     services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models, quota, config.openai,
                                                    TokenWorkers(config.tokenizer_threads)),
-                    runs=runs, sessions=SessionService(records, config.sessions),
+                    runs=runs, uploads=uploads, sessions=SessionService(records, config.sessions),
                     account=AccountService(records, signer),
                     base_models=base_models,
                     tokens=TokenIssuer(config.url_key_path.read_bytes(), config.token_ttl))
@@ -175,11 +179,12 @@ async def start_services(config: ServerConfig) -> Services:
 
 async def _sweep_expired(services: Services) -> None:
     """Every ``--expiry-sweep-seconds``: delete expired checkpoints (they vanished from listings when they expired)
-    and end sessions that stopped heartbeating ``--session-timeout`` seconds ago."""
+    and expired adapter uploads, and end sessions that stopped heartbeating ``--session-timeout`` seconds ago."""
     config = services.config
     while True:
         try:
             services.runs.sweep_expired()
+            services.uploads.sweep_expired()
             await services.training.expire_sessions(config.session_timeout)
         except Exception:  # a failed sweep is retried next time; it must not end the loop
             log.exception("expiry sweep failed")

@@ -76,5 +76,16 @@ TINKER_ROUTES: list[Route] = [
     Route("DELETE", "/api/v1/auth/apikey/me", None, None),
 ]
 
+DOCUMENTED_ROUTES: list[Route] = [
+    Route("POST", "/api/v1/external_weights_upload_start", "ExternalWeightsUploadStartRequest",
+          "ExternalWeightsUploadStartResponse"),
+    Route("PUT", "/api/v1/external_weights_upload/{upload_id}/{file}", None, None),
+    Route("POST", "/api/v1/external_weights_upload_finish", "ExternalWeightsUploadFinishRequest",
+          "ExternalWeightsUploadFinishResponse"),
+    Route("POST", "/api/v1/checkpoints/search", "CheckpointSearchRequest", "CheckpointSearchResponse"),
+]
+"""Routes of an SDK release newer than the installed one, their types named in ``contract.documented`` (not pinned
+from the installed SDK; the PUT is the signed URL that start hands out, this server's own)."""
+
 FUTURE_STATES = ["TryAgainResponse", "RequestFailedResponse"]
 """JSON answers of retrieve_future besides the result itself."""

@@ -174,7 +174,8 @@ def keyed_server(model_cache, tmp_path_factory):
     tests, ``revoked-soon`` for the revocation test, ``logs-out`` for ``tinker auth logout``,
     ``token-holder`` for a token outliving its key. Its expiry sweep runs hourly, so an expired checkpoint's files
     stay on disk and what refuses it is the check at use. It also runs ``--disable-any-whitespace`` (its constrained
-    JSON is compact), which no other test of it reads."""
+    JSON is compact), which no other test of it reads, and ``--upload-ttl 30``, so an adapter upload's URLs expire
+    within a test (``test_external_uploads``)."""
     from tests.helpers import keys_command
     from tests.server import start_server
 
@@ -186,7 +187,7 @@ def keyed_server(model_cache, tmp_path_factory):
             assert created.returncode == 0, created.stderr
             issued[name] = created.stdout.strip()
         running = start_server(data_dir, "--auth", "keys", "--min-checkpoint-ttl", "1", "--expiry-sweep-seconds",
-                               "3600", "--disable-any-whitespace", detached=True)
+                               "3600", "--disable-any-whitespace", "--upload-ttl", "30", detached=True)
         running.extra["issued"] = issued
         return running
 

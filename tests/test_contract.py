@@ -146,6 +146,11 @@ def test_every_pinned_route_is_served(tmp_path: Path):
               for route in app.routes for method in route.methods}
     missing = [(r["method"], r["path"]) for r in ROUTES if (r["method"], r["path"]) not in served]
     assert missing == []
+    from contract import documented
+    from contract.routes import DOCUMENTED_ROUTES
+
+    assert [(r.method, r.path) for r in DOCUMENTED_ROUTES if (r.method, r.path) not in served] == []
+    assert all(hasattr(documented, name) for r in DOCUMENTED_ROUTES for name in (r.request, r.response) if name)
 
 
 SDK_CALLS = json.loads((PINNED / "tinker_sdk_calls.json").read_text())["calls"]
@@ -351,3 +356,8 @@ def test_documented_types_are_still_ahead_of_the_installed_sdk():
         assert not carried, (f"tinker {version('tinker')} now carries {sdk_type.__name__}.{', '.join(carried)}: answer "
                              f"with its own type and delete contract.documented.{documented_type.__name__}")
         assert all(name in documented_type.model_fields for name in fields)
+    from tinker import types
+
+    carried = [name for name in documented.NEW_TYPES if hasattr(types, name)]
+    assert not carried, (f"tinker {version('tinker')} now has {', '.join(carried)}: use its own types (and its "
+                         "RestClient methods in the tests) and delete them from contract.documented")

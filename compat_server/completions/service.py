@@ -186,13 +186,13 @@ class CompletionsService:
 
     # ---- models ---------------------------------------------------------------------------------------------------
     def list_models(self, owner: str) -> dict:
-        """Base models, then every sampler checkpoint the caller may use; each ``id`` is a valid ``model`` value, and
+        """Base models, then every sampler checkpoint (and sampleable external one) the caller may use; each ``id`` is a valid ``model`` value, and
         ``max_model_len`` is its context (as vLLM's model cards give it)."""
         data = [{"id": name, "object": "model", "created": self.started, "owned_by": "compat-server",
                  "root": name, "parent": None, "max_model_len": self.sampling.limits[name].max_context}
                 for name in self.base_models]
         for row in self.records.checkpoints.sampler_checkpoints(owner):
-            if row["base_model"] in self.base_models:
+            if row["base_model"] in self.base_models and self.sampling.weights.sampleable(row):
                 data.append({"id": row["tinker_path"], "object": "model", "created": _unix(row["created"]),
                              "owned_by": "you" if row["owner"] == owner else "published",
                              "root": row["base_model"], "parent": row["base_model"],

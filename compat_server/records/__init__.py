@@ -18,6 +18,7 @@ from compat_server.records.runs import RunRecords
 from compat_server.records.samplers import SamplerRecords
 from compat_server.records.sessions import SessionRecords
 from compat_server.records.tenants import TenantRecords
+from compat_server.records.uploads import UploadRecords
 
 
 class Records:
@@ -40,6 +41,8 @@ class Records:
         """Sampling sessions and the stability info recorded for them."""
         self.tenants = TenantRecords(self.file)
         """API keys."""
+        self.uploads = UploadRecords(self.file, self.account)
+        """Adapter uploads and their files."""
 
 
 __all__ = ["SCHEMA_VERSION", "CorruptRecords", "Records", "RecordsFile", "check_integrity", "now"]

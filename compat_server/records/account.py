@@ -43,12 +43,14 @@ class AccountRecords:
 
     # ---- usage ------------------------------------------------------------------------------------------------------
     def storage_by_project(self, owner: str) -> list[dict]:
-        """The owner's live checkpoints grouped by the project of the session that saved them."""
+        """The owner's live checkpoints grouped by project: their run's (a copy or an upload), else the session's
+        that saved them."""
         return [dict(zip(("project_id", "checkpoint_count", "size_bytes"), row)) for row in self.db.execute(
-            f"SELECT s.project_id, count(*), coalesce(sum(c.size_bytes), 0) FROM checkpoints c "
-            f"LEFT JOIN models m ON m.id = c.training_run_id LEFT JOIN sessions s ON s.id = m.session_id "
-            f"WHERE c.owner = ? AND {LIVE.replace('expires_at', 'c.expires_at')} GROUP BY s.project_id "
-            f"ORDER BY s.project_id", [owner, now()])]
+            f"SELECT coalesce(m.project_id, s.project_id) AS project, count(*), coalesce(sum(c.size_bytes), 0) "
+            f"FROM checkpoints c LEFT JOIN models m ON m.id = c.training_run_id "
+            f"LEFT JOIN sessions s ON s.id = m.session_id "
+            f"WHERE c.owner = ? AND {LIVE.replace('expires_at', 'c.expires_at')} GROUP BY project "
+            f"ORDER BY project", [owner, now()])]
 
     def training_tokens_by_hour(self, owner: str, start: str, end: str) -> list[dict]:
         """Tokens trained per UTC hour, base model and session, from the recorded steps."""

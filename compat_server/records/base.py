@@ -22,7 +22,7 @@ LIVE = "(expires_at is null or expires_at > ?)"
 _ADDED_COLUMNS = (("checkpoints", "uid", str), ("samplers", "checkpoint_uid", str), ("models", "rolled_back", str),
                   ("models", "rollback_unseen", int), ("api_keys", "admin", int), ("futures", "poll_group", str),
                   ("futures", "completion_seq", int), ("samplers", "clients", int),
-                  ("sessions", "display_name", str))
+                  ("sessions", "display_name", str), ("models", "project_id", str))
 """Columns added since schema 1, added to an older file at open."""
 
 
@@ -79,7 +79,7 @@ class RecordsFile:
         db["models"].create({
             "id": str, "session_id": str, "owner": str, "base_model": str, "is_lora": int, "lora_rank": int,
             "lora_config": str, "status": str, "created": str, "last_request": str, "user_metadata": str,
-            "rolled_back": str, "rollback_unseen": int,
+            "rolled_back": str, "rollback_unseen": int, "project_id": str,
         }, pk="id", if_not_exists=True)
         db["futures"].create({
             "request_id": str, "owner": str, "model_id": str, "seq_id": int, "kind": str, "state": str,
@@ -100,6 +100,12 @@ class RecordsFile:
             "sequence_id": str, "session_id": str, "owner": str, "prompt": str, "tokens": str, "logprobs": str,
             "created": str, "last_used": str,
         }, pk="sequence_id", if_not_exists=True)
+        db["uploads"].create({
+            "id": str, "owner": str, "base_model": str, "lora_config": str, "project_id": str, "created": str,
+            "expires_at": str, "state": str, "tinker_path": str,
+        }, pk="id", if_not_exists=True)
+        db["upload_files"].create({"upload_id": str, "file": str, "state": str, "bytes": int},
+                                  pk=("upload_id", "file"), if_not_exists=True)
         db["api_keys"].create({"id": str, "name": str, "owner": str, "created": str, "revoked": str, "admin": int},
                                pk="id", if_not_exists=True)
         db["audit"].create({"id": int, "owner": str, "at": str, "event": str, "details": str}, pk="id",
@@ -135,6 +141,7 @@ class RecordsFile:
         if SCHEMA_VERSION not in versions:
             db["schema_version"].insert({"version": SCHEMA_VERSION, "applied": now()})
         db["futures"].create_index(["poll_group", "completion_seq"], if_not_exists=True)
+        db["checkpoints"].create_index(["created", "uid"], if_not_exists=True)  # checkpoint search's order
 
     # ---- helpers --------------------------------------------------------------------------------------------------
     # Plain SQL for single rows: these run several times per training step, and sqlite-utils' table methods read the

@@ -57,9 +57,31 @@ class CheckpointRecords:
         rows = list(table.rows_where(where, args, order_by="created desc", limit=limit, offset=offset))
         return rows, table.count_where(where, args)
 
+    def readable_page(self, owner: str, *, before: tuple[str, str] | None, limit: int) -> list[dict]:
+        """Live checkpoints ``owner`` may read (its own and published ones) newest first, after the page cursor
+        ``(created, uid)``, each with the project it is in (its run's, else its session's, else ``default``);
+        search filters are applied by the caller on these rows."""
+        where, args = f"(c.owner = ? OR c.public = 1) AND {LIVE.replace('expires_at', 'c.expires_at')}", [owner, now()]
+        if before is not None:
+            where, args = where + " AND (c.created < ? OR (c.created = ? AND c.uid < ?))", [*args, before[0], *before]
+        cursor = self.db.execute(
+            f"SELECT c.*, coalesce(m.project_id, s.project_id, 'default') AS project_id FROM checkpoints c "
+            f"LEFT JOIN models m ON m.id = c.training_run_id LEFT JOIN sessions s ON s.id = m.session_id "
+            f"WHERE {where} ORDER BY c.created DESC, c.uid DESC LIMIT ?", [*args, limit])
+        names = [column[0] for column in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def projects(self, owner: str) -> set[str]:
+        """The projects ``owner`` may list: ``default`` and every one its sessions or runs are in."""
+        rows = self.db.execute("SELECT project_id FROM sessions WHERE owner = ? UNION SELECT project_id FROM models "
+                               "WHERE owner = ?", [owner, owner]).fetchall()
+        return {"default"} | {row[0] for row in rows if row[0]}
+
     def sampler_checkpoints(self, owner: str) -> list[dict]:
-        """Sampler checkpoints the owner may sample from (its own and published ones), oldest first."""
-        return list(self.db["checkpoints"].rows_where(f"kind = 'sampler' and (owner = ? or public = 1) and {LIVE}",
+        """Sampler and external checkpoints the owner may read (its own and published ones), oldest first: what it
+        may sample (an external one, where its samplers' copy exists)."""
+        return list(self.db["checkpoints"].rows_where(f"kind in ('sampler', 'external') and (owner = ? or public = 1) "
+                                                      f"and {LIVE}",
                                                       [owner, now()],
                                                       order_by="created"))
 

@@ -23,12 +23,14 @@ class RunRecords:
     # ---- models (training runs) -----------------------------------------------------------------------------------
     @traced("records.create_model")
     def create_model(self, model_id: str, *, session_id: str, owner: str, base_model: str, lora: dict[str, Any],
-                     user_metadata: dict[str, Any] | None) -> None:
+                     user_metadata: dict[str, Any] | None, project_id: str | None = None) -> None:
+        """``project_id``: for a run made outside a session (a copy, an upload); a session's runs are in its
+        project."""
         stamp = now()
         self.file.insert("models", {
             "id": model_id, "session_id": session_id, "owner": owner, "base_model": base_model, "is_lora": 1,
             "lora_rank": lora["rank"], "lora_config": json.dumps(lora), "status": "active", "created": stamp,
-            "last_request": stamp, "user_metadata": json.dumps(user_metadata or {}),
+            "last_request": stamp, "user_metadata": json.dumps(user_metadata or {}), "project_id": project_id,
         }, replace=True)
         self.account.audit(owner, "training_run_create", model_id=model_id, session_id=session_id,
                            base_model=base_model)

@@ -50,6 +50,11 @@ def parse_path(path: str) -> ParsedCheckpointTinkerPath:
     return parsed
 
 
+SAMPLER_COPY = ".sampler"
+"""In an ``external_weights`` checkpoint (exported or uploaded: hosted Tinker's naming), the same adapter in the
+stored naming samplers load (``adapters.lora.files``); not one of the checkpoint's files (never listed, downloaded or
+counted), deleted with it."""
+
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
 """Tinker's upper bound on a checkpoint's time to live: ten years."""
 
@@ -129,6 +134,17 @@ class CheckpointStore:
             raise ValueError(f"invalid checkpoint uid {uid!r}")
         return self._name_dir(path) / uid
 
+    @staticmethod
+    def sampler_copy(directory: Path) -> Path:
+        """Where the samplers' copy of an external checkpoint in ``directory`` lies (``SAMPLER_COPY``)."""
+        return directory / SAMPLER_COPY
+
+    @staticmethod
+    def files(directory: Path) -> list[str]:
+        """The checkpoint's own files, relative to its directory, sorted (not the samplers' copy)."""
+        return sorted(f.relative_to(directory).as_posix() for f in directory.rglob("*")
+                      if f.is_file() and SAMPLER_COPY not in f.relative_to(directory).parts)
+
     def staging(self, path: str) -> Path:
         """A fresh hidden directory on the same filesystem as the final one, for the writer to fill."""
         parent = self._name_dir(path)
@@ -138,10 +154,12 @@ class CheckpointStore:
     def publish(self, staging: Path, path: str, uid: str) -> int:
         """fsync the staged files, rename the directory into place as save ``uid``, and return its size in bytes."""
         final = self.directory(path, uid)
+        counted = set(self.files(staging))
         size = 0
         for file in staging.rglob("*"):
             if file.is_file():
-                size += file.stat().st_size
+                if file.relative_to(staging).as_posix() in counted:
+                    size += file.stat().st_size
                 with open(file, "rb") as handle:
                     os.fsync(handle.fileno())
         os.rename(staging, final)

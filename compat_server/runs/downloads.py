@@ -45,9 +45,11 @@ class UrlSigner:
         """An opaque, stable stand-in for a tenant in URLs."""
         return hmac.new(self._key, f"grantee\n{owner}".encode(), hashlib.sha256).hexdigest()[:32]
 
+    def _mac(self, *fields: str | int) -> str:
+        return hmac.new(self._key, "\n".join(map(str, fields)).encode(), hashlib.sha256).hexdigest()
+
     def _signature(self, grant: DownloadGrant, file: str, expires: int) -> str:
-        message = f"{grant.tinker_path}\n{grant.uid}\n{grant.grantee}\n{file}\n{expires}".encode()
-        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+        return self._mac(grant.tinker_path, grant.uid, grant.grantee, file, expires)
 
     def sign(self, grant: DownloadGrant, file: str) -> tuple[int, str]:
         """(expiry as a unix time, the URL's query string) for a URL to ``file`` under ``grant``."""
@@ -58,4 +60,14 @@ class UrlSigner:
     def valid(self, grant: DownloadGrant, file: str, expires: int, signature: str) -> bool:
         """The signature matches (compared in constant time) and the expiry has not passed."""
         expected = self._signature(grant, file, expires)
+        return hmac.compare_digest(expected.encode(), signature.encode()) and time.time() < expires
+
+    def sign_upload(self, upload_id: str, file: str, grantee: str, expires: int) -> str:
+        """The query string of a PUT URL for ``file`` of an upload, until ``expires`` (a unix time). Signed in its
+        own domain ("upload"), so no download signature is ever a valid upload one, or the reverse."""
+        return urlencode({"expires": expires, "grantee": grantee,
+                          "signature": self._mac("upload", upload_id, grantee, file, expires)})
+
+    def valid_upload(self, upload_id: str, file: str, grantee: str, expires: int, signature: str) -> bool:
+        expected = self._mac("upload", upload_id, grantee, file, expires)
         return hmac.compare_digest(expected.encode(), signature.encode()) and time.time() < expires

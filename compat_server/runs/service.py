@@ -145,7 +145,7 @@ class RunsService:
         grant = DownloadGrant(tinker_path=tinker_path, uid=row["uid"], grantee=self.signer.grantee(owner))
         urls, expires = {}, 0
         parsed = parse_path(tinker_path)
-        for file in sorted(f.relative_to(directory).as_posix() for f in directory.rglob("*") if f.is_file()):
+        for file in self.checkpoints.files(directory):
             expires, query = self.signer.sign(grant, file)
             urls[file] = (f"{base_url.rstrip('/')}/api/v1/download/{parsed.training_run_id}/{parsed.checkpoint_id}/"
                           f"{quote(file)}?{query}")
@@ -165,7 +165,8 @@ class RunsService:
                                             "URLs")
         directory = self.checkpoints.directory(grant.tinker_path, grant.uid)
         target = (directory / file).resolve()
-        if not target.is_file() or directory.resolve() not in target.parents:
+        if not target.is_file() or directory.resolve() not in target.parents or file not in \
+                self.checkpoints.files(directory):
             raise NotFound(f"{file} of {grant.tinker_path} no longer exists")
         return target
 
@@ -200,7 +201,8 @@ class RunsService:
             self.checkpoints.discard(staging)
         self.records.runs.create_model(run_id, session_id=req.session_id or "", owner=owner,
                                        base_model=row["base_model"], lora=asdict(read_lora_spec(directory)),
-                                       user_metadata={"copied_from": req.source_path})
+                                       user_metadata={"copied_from": req.source_path},
+                                       project_id=req.destination_project_id if req.session_id is None else None)
         self.records.runs.set_model_status(run_id, "a read-only copy")
         self.records.checkpoints.add_checkpoint(path, uid=uid, training_run_id=run_id,
                                                 checkpoint_id=source.checkpoint_id, kind=source.checkpoint_type,

@@ -77,15 +77,27 @@ class SamplerWeights:
     def sampler_checkpoint(self, owner: str, path: str, uid: str | None = None) -> tuple[dict, AdapterRef]:
         """The checkpoint's record and the weights it names, checked now (given ``uid``: still that save). The key
         and directory are the save's own, so weights saved again under a reused name are never mistaken for the
-        ones a sampler already holds."""
+        ones a sampler already holds. Sampler weights sample as saved; external weights (exported or uploaded) by
+        the samplers' copy beside them (``CheckpointStore.sampler_copy``)."""
         parsed = parse_path(path)
-        if parsed.checkpoint_type != "sampler":
-            held = "training state (weights/)" if parsed.checkpoint_type == "training" else "exported weights"
-            raise UserError(f"{path} holds {held}; sample from sampler weights instead: save them with "
-                            "save_weights_for_sampler and use the tinker://…/sampler_weights/… path it returns")
+        if parsed.checkpoint_type == "training":
+            raise UserError(f"{path} holds training state (weights/); sample from sampler weights instead: save them "
+                            "with save_weights_for_sampler and use the tinker://…/sampler_weights/… path it returns")
         ckpt, directory = self.checkpoints.readable(self.records, owner, path, "sampler checkpoint", uid)
         self.base(ckpt["base_model"])  # trained on a base model this server no longer serves
+        if parsed.checkpoint_type == "external":
+            directory = self.checkpoints.sampler_copy(directory)
+            if not directory.is_dir():
+                raise UserError(f"{path} holds exported weights without a copy samplers can load (age-encrypted, or "
+                                "saved by an older version of this server); sample from sampler weights instead")
         return ckpt, AdapterRef(f"{path}@{ckpt['uid']}", str(directory))
+
+    def sampleable(self, row: dict) -> bool:
+        """Whether a readable checkpoint's record names weights a sampler can load: sampler weights, or external
+        ones with their samplers' copy."""
+        if row["kind"] != "external":
+            return row["kind"] == "sampler"
+        return self.checkpoints.sampler_copy(self.checkpoints.directory(row["tinker_path"], row["uid"])).is_dir()
 
     def checkpoint_target(self, owner: str, path: str) -> Target:
         """A sampler checkpoint readable by ``owner`` now, as a target that stays on this very save."""

@@ -133,14 +133,20 @@ class CheckpointCalls:
 
     def save_weights_external(self, owner: str, req: types.SaveWeightsExternalRequest, idem: str | None) -> dict:
         """The adapter under ``external_weights/``, for download with ``get_external_weights_urls``, its tensors
-        named as hosted Tinker names exports (``adapters.lora.files``) — given ``age_encryption_recipients``, every
-        file encrypted to them as ``<name>.age`` before it is published."""
+        named as hosted Tinker names exports (``adapters.lora.files``), with the samplers' copy beside them
+        (``CheckpointStore.sampler_copy``) — or, given ``age_encryption_recipients``, every file encrypted to them as
+        ``<name>.age`` before it is published, and no copy (the server keeps nothing readable of it)."""
         async def job(row: dict) -> Payload:
-            encrypt = None
+            trainer = self._trainer(row)
             if req.age_encryption_recipients is not None:
+                write = trainer.save_for_export
                 encrypt = partial(encrypt_directory, recipients=parse_recipients(req.age_encryption_recipients))
-            path = await self._save(owner, row, "external", req.path, self._trainer(row).save_for_export, False,
-                                    req.ttl_seconds, None, encrypt)
+            else:
+                async def write(model_id: str, directory: str) -> None:  # and the samplers' copy: sampleable too
+                    await trainer.save_for_export(model_id, directory)
+                    await trainer.save_for_sampler(model_id, str(self.checkpoints.sampler_copy(Path(directory))))
+                encrypt = None
+            path = await self._save(owner, row, "external", req.path, write, False, req.ttl_seconds, None, encrypt)
             return json_payload(types.SaveWeightsExternalResponseInternal(path=path, type="save_weights_external"))
 
         return self.core.ordered(owner, "save_weights_external", req.model_id, req.seq_id, idem, job)

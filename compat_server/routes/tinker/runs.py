@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from tinker import types
 
 from compat_server.runs.downloads import DownloadGrant
+from compat_server.runs.search import search_checkpoints
 from compat_server.services import Services
 from contract import documented
 
@@ -57,6 +58,14 @@ async def list_checkpoints(run_id: FromPath[str], owner: NamedDependency[str],
 async def list_user_checkpoints(owner: NamedDependency[str], services: NamedDependency[Services],
                                 limit: Limit = 100, offset: Offset = 0) -> documented.CheckpointsListResponse:
     return services.runs.list_user_checkpoints(owner, limit, offset)
+
+
+@post(f"{API}/checkpoints/search", status_code=200)
+async def search_user_checkpoints(owner: NamedDependency[str], services: NamedDependency[Services],
+                                  data: Annotated[documented.CheckpointSearchRequest, Body()],
+                                  ) -> documented.CheckpointSearchResponse:
+    """SDK 0.39's ``search_checkpoints`` (its route is not documented; ``contract.documented`` says why this one)."""
+    return search_checkpoints(services.records, owner, data)
 
 
 @delete(CHECKPOINT, status_code=200)
@@ -114,6 +123,7 @@ async def copy_weights(owner: NamedDependency[str], services: NamedDependency[Se
     return services.runs.copy_weights(owner, data)
 
 
-RUNS_ROUTES = [list_training_runs, get_training_run, list_checkpoints, list_user_checkpoints, delete_checkpoint,
+RUNS_ROUTES = [list_training_runs, get_training_run, list_checkpoints, list_user_checkpoints, search_user_checkpoints,
+               delete_checkpoint,
                publish_checkpoint, unpublish_checkpoint, set_checkpoint_ttl, weights_info, external_weights_urls,
                download, copy_weights]
