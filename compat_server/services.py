@@ -163,7 +163,7 @@ async def start_services(config: ServerConfig) -> Services:
     signer = UrlSigner(config.url_key_path, config.download_url_ttl)
     runs = RunsService(records, checkpoints, signer)
     uploads = UploadService(records, checkpoints, signer, scheduler, base_models, config.uploads, config.uploads_dir,
-                            config.sampler.vllm.max_lora_rank)
+                            config.sampler.vllm.max_lora_rank, registered_keys=config.auth_mode == "keys")
     services = Services(config=config, records=records, hub=hub, quota=quota, trainers=trainers, samplers=samplers,
                     scheduler=scheduler, training=training, sampling=sampling,
                     completions=CompletionsService(sampling, records, base_models, quota, config.openai,

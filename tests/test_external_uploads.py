@@ -193,6 +193,8 @@ def test_an_adapter_saved_by_peft_uploads_matches_peft_and_trains_on(tenants, ti
         np.testing.assert_allclose(got, expected, atol=1e-4)
         train(client, datum, 3, types.AdamParams(learning_rate=1e-2))
         assert forward_logprobs(client, datum).mean() > got.mean()  # it learns from where peft's adapter left off
+        info = tinker.RestClient(base_url=server.base_url, api_key=alice).get_weights_info_by_tinker_path(path).result()
+        assert (info.lora_rank, info.train_attn, info.train_mlp, info.train_unembed) == (4, True, False, False)
     finally:
         service.close("success")
     found = search(server, alice, project_ids=["peft-imports"])
@@ -230,7 +232,11 @@ def test_bad_uploads_get_clear_4xx_and_nothing_is_stored(tenants, exported):
     def wrong_dtype(tensors):
         tensors[first] = tensors[first].to(torch.int32)
 
-    for change, says in ((with_nan, "NaN"), (wrong_shape, "shapes"), (wrong_dtype, "floating point")):
+    def one_dimensional(tensors):
+        tensors[first] = tensors[first][0].contiguous()
+
+    for change, says in ((with_nan, "NaN"), (wrong_shape, "shapes"), (wrong_dtype, "floating point"),
+                         (one_dimensional, "dimensions")):
         refused = upload(server, alice, corrupted(exported["files"], change), {"rank": 8})
         assert refused.status_code == 400 and says in refused.json()["detail"], refused.text
         assert "Nothing was kept" in refused.json()["detail"]
@@ -240,6 +246,11 @@ def test_bad_uploads_get_clear_4xx_and_nothing_is_stored(tenants, exported):
     assert no_mlp.status_code == 400 and "mlp" in no_mlp.json()["detail"]
     bad_config = upload(server, alice, {**exported["files"], CONFIG: b"{not json"}, {"rank": 8})
     assert bad_config.status_code == 400
+    config = json.loads(exported["files"][CONFIG])
+    for alpha in (float("nan"), float("inf"), -1.0):
+        scaled = upload(server, alice, {**exported["files"], CONFIG: json.dumps({**config, "lora_alpha": alpha})},
+                        {"rank": 8})
+        assert scaled.status_code == 400 and "scale" in scaled.json()["detail"], scaled.text
 
     answer = start(server, alice, {"rank": 1})
     urls, upload_id = put_urls(answer), answer.json()["upload_id"]
@@ -332,9 +343,19 @@ def test_uploads_can_be_turned_off_and_the_url_form_follows_the_sdk_version(tmp_
 
     service = UploadService(Records(tmp_path / "records.sqlite3"), CheckpointStore(tmp_path / "checkpoints", 1),
                             UrlSigner(tmp_path / "key", 60), None, {BASE_MODEL: None}, UploadOptions(enabled=False),
-                            tmp_path / "uploads", 32)
+                            tmp_path / "uploads", 32, False)
     request = documented.ExternalWeightsUploadStartRequest(base_model=BASE_MODEL, lora_config=types.LoraConfig(rank=4))
     with pytest.raises(PermissionDeniedException, match="--no-external-uploads"):
         service.start("owner", request, "http://127.0.0.1", None)
+    limited = UploadService(service.records, service.checkpoints, service.signer, None, {BASE_MODEL: None},
+                            UploadOptions(max_open_per_key=1), tmp_path / "uploads", 32, False)
+    answer = limited.start("owner", request, "http://127.0.0.1", "0.39.1")
+    assert isinstance(answer, documented.ExternalWeightsUploadStartResponseV039)
+    with pytest.raises(ValueError, match="--max-open-uploads-per-key"):
+        limited.start("owner", request, "http://127.0.0.1", None)
+    assert limited.start("another-owner", request, "http://127.0.0.1", None).urls  # per key
+    with pytest.raises(ValueError, match="--max-lora-rank 32"):
+        limited.start("third-owner", request.model_copy(update={"lora_config": types.LoraConfig(rank=64)}),
+                      "http://127.0.0.1", None)
     assert [_older_than(v, (0, 40)) for v in ("0.39.0", "0.39.2rc1", "0.40.0", "1.0", None, "garbage")] == \
         [True, True, False, False, False, False]

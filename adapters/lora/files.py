@@ -242,6 +242,11 @@ def whole_if_integer(value: float) -> int | float:
     return int(value) if value.is_integer() else value
 
 
+MAX_SCALE = 1e4
+"""The largest LoRA scale (alpha / r) an adapter read here may have: far above any trained one (PEFT's usual scales
+are 0.5 to 4), and finite, so that a scale from a file never overflows what it multiplies."""
+
+
 def read_adapter_file(directory: Path) -> tuple[dict[str, torch.Tensor], float, int]:
     """A saved adapter's tensors as named in the file, its LoRA scale (alpha / r) and rank. PEFT variants that scale
     or shape LoRA differently are refused rather than applied wrongly; ``rank_pattern`` / ``alpha_pattern`` are
@@ -253,6 +258,9 @@ def read_adapter_file(directory: Path) -> tuple[dict[str, torch.Tensor], float, 
     if unsupported:
         raise UserError(f"adapter_config.json sets {', '.join(unsupported)}, which this server does not apply")
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    if rank < 1 or not 0 < alpha / rank <= MAX_SCALE:
+        raise UserError(f"adapter_config.json has r={config['r']} and lora_alpha={config['lora_alpha']}: a LoRA needs "
+                        f"r ≥ 1 and a scale lora_alpha / r above 0 and at most {MAX_SCALE:g}")
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     for module in sorted(set(ranks) | set(alphas)):
         module_rank, module_alpha = int(ranks.get(module, rank)), float(alphas.get(module, alpha))

@@ -4,6 +4,7 @@ training checkpoints), and read back from one — in either naming of ``adapters
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from adapters.lora.files import (
     read_adapter_file,
     whole_if_integer,
 )
-from adapters.lora.layout import ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
+from adapters.lora.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
 from adapters.trainer.interface import LoraSpec, read_lora_spec
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
@@ -64,17 +65,45 @@ class CheckpointFiles:
         point, finite and of its slot's shape, one scale (``rank_pattern`` / ``alpha_pattern``) — and write it into
         ``out`` in the stored naming, which samplers load. Anything else is a ``UserError`` naming what is wrong."""
         try:
-            state, scaling, rank = read_adapter_file(source)
+            tensors, names, scaling, rank = self._checked(source, spec)
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever a malformed file raises, it is the uploader's to fix
-            raise UserError(f"the adapter could not be read: {exc}") from None
+            raise UserError(f"the adapter could not be read: {type(exc).__name__}: {exc}") from None
+        self._write(out, tensors, rank, scaling, export=False)
+        self._normalize_config(source, names, rank, scaling)
+
+    def _normalize_config(self, source: Path, names: list[str], rank: int, scaling: float) -> None:
+        """Replace an uploaded ``adapter_config.json`` by one that says what its tensors are: their modules, its rank
+        and scale (its checked ``rank_pattern`` / ``alpha_pattern`` kept), this base model: what is read of the
+        checkpoint later (``read_lora_spec``, ``weights_info``) then never trusts a field the check did not read."""
+        from peft import LoraConfig
+
+        original = json.loads((source / ADAPTER_CONFIG).read_text())
+        config = LoraConfig(r=rank, lora_alpha=whole_if_integer(scaling * rank), lora_dropout=0.0, bias="none",
+                            base_model_name_or_path=self.location,
+                            target_modules=sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in names}),
+                            rank_pattern=original.get("rank_pattern") or {},
+                            alpha_pattern=original.get("alpha_pattern") or {})
+        with writing(source):
+            temporary = source / ".config"
+            config.save_pretrained(str(temporary))
+            os.replace(temporary / ADAPTER_CONFIG, source / ADAPTER_CONFIG)  # a new file: the upload's stays as sent
+            temporary.rmdir()
+
+    def _checked(self, source: Path, spec: LoraSpec) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                                               list[str], float, int]:
+        """The adapter's pairs by slot key, its tensors' names, scale and rank, once checked (``import_adapter``)."""
+        state, scaling, rank = read_adapter_file(source)
         if rank != spec.rank:
             raise UserError(f"adapter_config.json has r={rank}, but the upload was started for a LoRA of rank "
                             f"{spec.rank} (lora_config.rank)")
         for name, tensor in state.items():
             if not tensor.is_floating_point():
                 raise UserError(f"adapter tensor {name} is {tensor.dtype}; LoRA weights are floating point")
+            if tensor.dim() not in (2, 3):
+                raise UserError(f"adapter tensor {name} has {tensor.dim()} dimensions; a LoRA factor has 2 (3 for "
+                                "routed experts)")
             if not torch.isfinite(tensor.float()).all():
                 raise UserError(f"adapter tensor {name} holds NaN or infinite values")
         tensors = {key: (a.float(), b.float()) for key, (a, b) in self.naming.read(state, rank).items()}
@@ -88,7 +117,7 @@ class CheckpointFiles:
             raise UserError(f"the adapter adapts {' and '.join(sorted(extra))} weights, which its lora_config leaves "
                             f"out (train_attn={spec.train_attn}, train_mlp={spec.train_mlp}, "
                             f"train_unembed={spec.train_unembed})")
-        self._write(out, tensors, rank, scaling, export=False)
+        return tensors, list(state), scaling, rank
 
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly."""

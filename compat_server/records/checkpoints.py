@@ -57,17 +57,31 @@ class CheckpointRecords:
         rows = list(table.rows_where(where, args, order_by="created desc", limit=limit, offset=offset))
         return rows, table.count_where(where, args)
 
-    def readable_page(self, owner: str, *, before: tuple[str, str] | None, limit: int) -> list[dict]:
+    def readable_page(self, owner: str, *, before: tuple[str, str] | None, limit: int, whose: str = "accessible",
+                      owner_prefixes: list[str] | None = None, kind: str | None = None,
+                      base_models: list[str] | None = None, projects: list[str] | None = None) -> list[dict]:
         """Live checkpoints ``owner`` may read (its own and published ones) newest first, after the page cursor
-        ``(created, uid)``, each with the project it is in (its run's, else its session's, else ``default``);
-        search filters are applied by the caller on these rows."""
-        where, args = f"(c.owner = ? OR c.public = 1) AND {LIVE.replace('expires_at', 'c.expires_at')}", [owner, now()]
+        ``(created, uid)``, each with the project it is in (its run's, else its session's, else ``default``), those
+        filters applied: ``whose`` ``own`` (the key's alone) or ``accessible``; owners whose identity starts with
+        one of ``owner_prefixes``; a checkpoint type; base models; projects (each None: any)."""
+        clauses = ["c.owner = ?" if whose == "own" else "(c.owner = ? OR c.public = 1)",
+                   LIVE.replace("expires_at", "c.expires_at")]
+        args: list = [owner, now()]
+        for column, values in (("substr(c.owner, 1, 16)", owner_prefixes), ("c.base_model", base_models),
+                               ("coalesce(m.project_id, s.project_id, 'default')", projects)):
+            if values is not None:
+                clauses.append(f"{column} IN ({', '.join('?' * len(values))})")
+                args += values
+        if kind is not None:
+            clauses.append("c.kind = ?")
+            args.append(kind)
         if before is not None:
-            where, args = where + " AND (c.created < ? OR (c.created = ? AND c.uid < ?))", [*args, before[0], *before]
+            clauses.append("(c.created < ? OR (c.created = ? AND c.uid < ?))")
+            args += [before[0], *before]
         cursor = self.db.execute(
             f"SELECT c.*, coalesce(m.project_id, s.project_id, 'default') AS project_id FROM checkpoints c "
             f"LEFT JOIN models m ON m.id = c.training_run_id LEFT JOIN sessions s ON s.id = m.session_id "
-            f"WHERE {where} ORDER BY c.created DESC, c.uid DESC LIMIT ?", [*args, limit])
+            f"WHERE {' AND '.join(clauses)} ORDER BY c.created DESC, c.uid DESC LIMIT ?", [*args, limit])
         names = [column[0] for column in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 

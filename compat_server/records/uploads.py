@@ -56,8 +56,10 @@ class UploadRecords:
         return self._move("upload_files", "upload_id = ? AND file = ? AND state = ?", [upload_id, file, WAITING],
                           RECEIVING)
 
-    def file_received(self, upload_id: str, file: str, size: int) -> None:
-        self._move("upload_files", "upload_id = ? AND file = ?", [upload_id, file], RECEIVED, bytes=size)
+    def file_received(self, upload_id: str, file: str, size: int) -> bool:
+        """Mark a file stored by the PUT that claimed it; False if its upload is gone meanwhile."""
+        return self._move("upload_files", "upload_id = ? AND file = ? AND state = ?", [upload_id, file, RECEIVING],
+                          RECEIVED, bytes=size)
 
     def release_file(self, upload_id: str, file: str) -> None:
         """A PUT that did not complete: its URL may be used again."""
@@ -80,7 +82,20 @@ class UploadRecords:
             self.db.conn.execute("DELETE FROM uploads WHERE id = ?", [upload_id])
 
     def expired_uploads(self) -> list[str]:
-        return [row["id"] for row in self.db["uploads"].rows_where("expires_at <= ?", [now()], select="id")]
+        """Expired uploads no request is working on now (a PUT streaming a file, a finish making the checkpoint):
+        those are swept once their request ends."""
+        return [row["id"] for row in self.db["uploads"].rows_where(
+            "expires_at <= ? AND state != ? AND id NOT IN (SELECT upload_id FROM upload_files WHERE state = ?)",
+            [now(), FINISHING, RECEIVING], select="id")]
+
+    def interrupted(self) -> int:
+        """At start, when no request is running: PUTs and finishes that a stopped process left midway are undone
+        (their files' URLs usable again, their uploads open again). Returns how many."""
+        with self.db.conn:
+            files = self.db.conn.execute("UPDATE upload_files SET state = ? WHERE state = ?",
+                                         [WAITING, RECEIVING]).rowcount
+            uploads = self.db.conn.execute("UPDATE uploads SET state = ? WHERE state = ?", [OPEN, FINISHING]).rowcount
+        return files + uploads
 
     def all_uploads(self) -> list[str]:
         return [row["id"] for row in self.db["uploads"].rows_where(select="id")]

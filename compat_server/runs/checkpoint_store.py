@@ -52,8 +52,8 @@ def parse_path(path: str) -> ParsedCheckpointTinkerPath:
 
 SAMPLER_COPY = ".sampler"
 """In an ``external_weights`` checkpoint (exported or uploaded: hosted Tinker's naming), the same adapter in the
-stored naming samplers load (``adapters.lora.files``); not one of the checkpoint's files (never listed, downloaded or
-counted), deleted with it."""
+stored naming samplers load (``adapters.lora.files``); not one of the checkpoint's files (never listed or downloaded),
+though its bytes count in the checkpoint's size on disk, and deleted with it."""
 
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
 """Tinker's upper bound on a checkpoint's time to live: ten years."""
@@ -152,14 +152,13 @@ class CheckpointStore:
         return parent / f".staging-{uuid.uuid4().hex[:8]}"
 
     def publish(self, staging: Path, path: str, uid: str) -> int:
-        """fsync the staged files, rename the directory into place as save ``uid``, and return its size in bytes."""
+        """fsync the staged files, rename the directory into place as save ``uid``, and return its size in bytes (on
+        disk: the samplers' copy included). Blocking: callers on the event loop run it in a thread."""
         final = self.directory(path, uid)
-        counted = set(self.files(staging))
         size = 0
         for file in staging.rglob("*"):
             if file.is_file():
-                if file.relative_to(staging).as_posix() in counted:
-                    size += file.stat().st_size
+                size += file.stat().st_size
                 with open(file, "rb") as handle:
                     os.fsync(handle.fileno())
         os.rename(staging, final)

@@ -4,7 +4,8 @@ filtered and paged with a keyset cursor (``created``, ``uid``), so a page is sta
 Projects here are the key's own (those its sessions and runs are in, and ``default``); another key's checkpoints are
 readable only once published. So ``owner``: ``own`` is the key's checkpoints, ``accessible`` adds every checkpoint
 published by other keys, ``user`` those of the listed owners (``key:<id>``, as session search names owners) that the
-key may read.
+key may read. Every filter but ``user_metadata`` is applied by the records query; one request reads at most
+``SCAN_LIMIT`` checkpoints, answering a short page with a cursor where it stopped, so no search holds the server.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from shims.errors import NotFound
 
 SCAN = 500
 """Checkpoints read from the records at a time while filling a page."""
+SCAN_LIMIT = 20_000
+"""The most checkpoints one search request reads (a selective ``user_metadata`` filter over many)."""
+URN = "key:"
 
 
 def owner_urn(owner: str) -> str:
     """How searches name a key (``SessionSummary.owner``)."""
-    return f"key:{owner[:16]}"
+    return f"{URN}{owner[:16]}"
 
 
 def search_checkpoints(records: Records, owner: str,
@@ -33,32 +37,34 @@ def search_checkpoints(records: Records, owner: str,
                            "runs, and 'default'")
     before = (as_utc(req.cursor.last_created_at, "cursor.last_created_at").isoformat(),
               req.cursor.last_checkpoint_uuid) if req.cursor else None
+    whose = req.owner
+    filters = {"whose": "own" if whose.type == "own" else "accessible", "kind": req.checkpoint_type,
+               "base_models": req.base_models, "projects": req.project_ids,
+               "owner_prefixes": [urn.removeprefix(URN) for urn in whose.owner_urns] if whose.type == "user" else None}
     found: list[dict] = []
-    while len(found) < req.limit + 1:
-        rows = records.checkpoints.readable_page(owner, before=before, limit=SCAN)
-        found += [row for row in rows if _matches(row, owner, req)]
+    scanned, last = 0, None
+    while len(found) <= req.limit and scanned < SCAN_LIMIT and req.base_models != []:
+        rows = records.checkpoints.readable_page(owner, before=before, limit=SCAN, **filters)
+        scanned += len(rows)
+        for row in rows:
+            last = row
+            if _metadata_matches(row, req) and len(found) <= req.limit:
+                found.append(row)
         if len(rows) < SCAN:
+            last = None  # the end: nothing after
             break
         before = (rows[-1]["created"], rows[-1]["uid"])
     page = found[:req.limit]
-    more = len(found) > req.limit and page
+    if len(found) > req.limit:
+        cursor_row = page[-1]
+    else:
+        cursor_row = last  # stopped at the scan limit: go on from the last checkpoint read
     return documented.CheckpointSearchResponse(
         checkpoints=[checkpoint_of(row) for row in page],
-        next_cursor=documented.CheckpointSearchCursor(last_created_at=page[-1]["created"],
-                                                      last_checkpoint_uuid=page[-1]["uid"]) if more else None)
+        next_cursor=documented.CheckpointSearchCursor(last_created_at=cursor_row["created"],
+                                                      last_checkpoint_uuid=cursor_row["uid"]) if cursor_row else None)
 
 
-def _matches(row: dict, owner: str, req: documented.CheckpointSearchRequest) -> bool:
-    whose = req.owner
-    if whose.type == "own" and row["owner"] != owner:
-        return False
-    if whose.type == "user" and owner_urn(row["owner"]) not in whose.owner_urns:
-        return False
-    if req.project_ids is not None and row["project_id"] not in req.project_ids:
-        return False
-    if req.checkpoint_type is not None and row["kind"] != req.checkpoint_type:
-        return False
-    if req.base_models is not None and row["base_model"] not in req.base_models:
-        return False
+def _metadata_matches(row: dict, req: documented.CheckpointSearchRequest) -> bool:
     metadata = string_metadata(row["user_metadata"])
     return all(metadata.get(key) == value for key, value in req.user_metadata.items())

@@ -59,9 +59,10 @@ PROJECT_CHARS = 256
 class UploadService:
     def __init__(self, records: Records, checkpoints: CheckpointStore, signer: UrlSigner, scheduler: Scheduler,
                  base_models: dict[str, BaseModelSpec], options: UploadOptions, root: Path,
-                 max_lora_rank: int) -> None:
+                 max_lora_rank: int, registered_keys: bool) -> None:
         """``root``: where files of open uploads wait, on the checkpoints' filesystem (they are linked into the
-        checkpoint when it is made)."""
+        checkpoint when it is made); ``registered_keys``: the server takes only registered keys (``--auth keys``),
+        so a PUT is refused once the key that started its upload is revoked."""
         self.records = records
         self.checkpoints = checkpoints
         self.signer = signer
@@ -70,7 +71,11 @@ class UploadService:
         self.options = options
         self.root = root
         self.max_lora_rank = max_lora_rank
+        self.registered_keys = registered_keys
         root.mkdir(parents=True, exist_ok=True)
+        if interrupted := records.uploads.interrupted():
+            log.warning("%d adapter upload steps were left midway by the previous server process; they can be "
+                        "repeated", interrupted)
         known = set(records.uploads.all_uploads())
         for directory in root.iterdir():  # left by a process that died before it recorded or deleted the upload
             if directory.name not in known:
@@ -139,6 +144,8 @@ class UploadService:
         row = self.records.uploads.upload(upload_id)
         if row is None or self.signer.grantee(row["owner"]) != grantee:
             raise NotFound(f"upload {upload_id} not found (it expired, or was finished or refused)")
+        if self.registered_keys and not self.records.tenants.key_active(row["owner"]):
+            raise PermissionDeniedException(f"the key that started upload {upload_id} was revoked")
         if file not in self.records.uploads.files(upload_id):
             raise NotFound(f"upload {upload_id} takes no file {file!r}; it takes {', '.join(FILES)}")
         if row["state"] != OPEN:
@@ -164,7 +171,9 @@ class UploadService:
             partial.unlink(missing_ok=True)
             self.records.uploads.release_file(upload_id, file)
             raise
-        self.records.uploads.file_received(upload_id, file, size)
+        if not self.records.uploads.file_received(upload_id, file, size):  # swept meanwhile: nothing to keep it for
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            raise NotFound(f"upload {upload_id} expired while {file} was being sent")
         log.info("adapter upload %s: %s received (%d bytes)", upload_id, file, size)
 
     # ---- finish -----------------------------------------------------------------------------------------------------
@@ -187,22 +196,20 @@ class UploadService:
         path = tinker_path(run_id, "external", CHECKPOINT_NAME)
         staging, uid = self.checkpoints.staging(path), self.checkpoints.new_uid()
         try:
-            staging.mkdir()
-            for file in FILES:  # links: the upload keeps its files until the checkpoint is made
-                os.link(self.root / upload_id / file, staging / file)
+            await asyncio.to_thread(_link_files, self.root / upload_id, staging)
             await self.scheduler.trainer_for(row["base_model"]).import_adapter(
                 str(staging), spec, str(self.checkpoints.sampler_copy(staging)))
-            size = self.checkpoints.publish(staging, path, uid)
-        except UserError as exc:
-            self.discard(upload_id)
+            size = await asyncio.to_thread(self.checkpoints.publish, staging, path, uid)
+        except BaseException as exc:
+            await asyncio.to_thread(shutil.rmtree, self.checkpoints.root / run_id, True)  # a new run: nothing else
+            if not isinstance(exc, UserError):
+                self.records.uploads.reopen(upload_id)
+                raise
+            self.records.uploads.delete_upload(upload_id)
+            await asyncio.to_thread(shutil.rmtree, self.root / upload_id, True)
             log.info("adapter upload %s refused: %s", upload_id, exc)
             raise UserError(f"upload {upload_id} is not a LoRA adapter of {row['base_model']} as its lora_config "
                             f"says: {exc}. Nothing was kept; start a new upload") from None
-        except BaseException:
-            self.records.uploads.reopen(upload_id)
-            raise
-        finally:
-            self.checkpoints.discard(staging)
         self.records.runs.create_model(run_id, session_id="", owner=owner, base_model=row["base_model"],
                                        lora=asdict(spec), user_metadata={"uploaded_as": upload_id},
                                        project_id=row["project_id"])
@@ -212,7 +219,7 @@ class UploadService:
                                                 owner=owner, base_model=row["base_model"], size_bytes=size,
                                                 expires_at=None, user_metadata=None)
         self.records.uploads.finished(upload_id, owner, path)
-        shutil.rmtree(self.root / upload_id, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, self.root / upload_id, True)
         log.info("adapter uploaded: %s (%d bytes, LoRA rank %d on %s)", path, size, spec.rank, row["base_model"],
                  extra={"event": "checkpoint_saved", "model_id": run_id, "path": path, "bytes": size})
         return documented.ExternalWeightsUploadFinishResponse(tinker_path=path)
@@ -228,6 +235,17 @@ class UploadService:
         for upload_id in expired:
             self.discard(upload_id)
         return len(expired)
+
+
+def _link_files(source: Path, staging: Path) -> None:
+    """The upload's files into the staging directory: hard links (the upload keeps its files until the checkpoint is
+    made), or copies where the two lie on different filesystems."""
+    staging.mkdir()
+    for file in FILES:
+        try:
+            os.link(source / file, staging / file)
+        except OSError:
+            shutil.copyfile(source / file, staging / file)
 
 
 async def _write(body: AsyncIterator[bytes], target: Path, limit: int, file: str) -> int:

@@ -100,7 +100,7 @@ class CheckpointCalls:
                 await write(model_id, str(staging))
                 if finish is not None:
                     await asyncio.to_thread(finish, staging)
-                size = self.checkpoints.publish(staging, path, uid)
+                size = await asyncio.to_thread(self.checkpoints.publish, staging, path, uid)
         finally:
             self.checkpoints.discard(staging)
         replaced = self.records.checkpoints.add_checkpoint(
