@@ -20,6 +20,8 @@ import tinker
 import torch
 from tinker import types
 
+from contract import documented
+
 BASE_MODEL = "compat-server/tiny-qwen3"
 MAIN_KEY = f"tml-test-main{os.environ.get('PYTEST_XDIST_WORKER', '')}"
 """The tenant most tests act as on the shared servers: one per pytest-xdist worker, so that what a test counts of
@@ -355,3 +357,37 @@ def machine_cpus() -> int:
     except (OSError, ValueError):
         return cpus
     return cpus if quota == "max" else min(cpus, math.ceil(int(quota) / int(period)))
+
+
+# ---- adapter uploads (SDK 0.39's routes, which the installed SDK has no methods for) --------------------------------
+def start(server, key: str, lora: dict, *, sdk: str | None = None, project: str | None = None) -> httpx.Response:
+    headers = {"X-API-Key": key, **({"X-Stainless-Package-Version": sdk} if sdk else {})}
+    body = {"base_model": BASE_MODEL, "lora_config": lora, **({"destination_project_id": project} if project else {})}
+    return httpx.post(f"{server.base_url}/api/v1/external_weights_upload_start", json=body, headers=headers)
+
+
+def put_urls(answer: httpx.Response, sdk: str | None = None) -> dict[str, str]:
+    """The PUT URL of each file, from either documented form of the answer."""
+    assert answer.status_code == 200, answer.text
+    if sdk is not None and sdk.startswith("0.39"):
+        return documented.ExternalWeightsUploadStartResponseV039.model_validate(answer.json()).urls
+    parsed = documented.ExternalWeightsUploadStartResponse.model_validate(answer.json())
+    assert all(url.headers == {} for url in parsed.urls.values())
+    return {name: url.url for name, url in parsed.urls.items()}
+
+
+def finish(server, key: str, upload_id: str) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/api/v1/external_weights_upload_finish", json={"upload_id": upload_id},
+                      headers={"X-API-Key": key}, timeout=120)
+
+
+def upload(server, key: str, files: dict[str, bytes], lora: dict, **start_args) -> httpx.Response:
+    """start → PUT every file → finish; the finish answer (its ``upload_id`` kept in ``extensions``)."""
+    answer = start(server, key, lora, **start_args)
+    urls = put_urls(answer, start_args.get("sdk"))
+    assert sorted(urls) == ["adapter_config.json", "adapter_model.safetensors"]
+    for name, url in urls.items():
+        assert httpx.put(url, content=files[name]).status_code == 200
+    finished = finish(server, key, answer.json()["upload_id"])
+    finished.extensions["upload_id"] = answer.json()["upload_id"]
+    return finished

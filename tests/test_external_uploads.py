@@ -24,7 +24,18 @@ from tinker import types
 from transformers import AutoTokenizer
 
 from contract import documented
-from tests.helpers import BASE_MODEL, MAIN_KEY, forward_logprobs, make_datum, reference_logprobs, train
+from tests.helpers import (
+    BASE_MODEL,
+    MAIN_KEY,
+    finish,
+    forward_logprobs,
+    make_datum,
+    put_urls,
+    reference_logprobs,
+    start,
+    train,
+    upload,
+)
 
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 TARGET = "Plum, ripe and dark."
@@ -57,39 +68,6 @@ def exported(server, tiny_model_dir) -> dict:
     assert sorted(files) == [CONFIG, WEIGHTS], "a download lists the checkpoint's own files only"
     yield {"files": files, "datum": datum, "logprobs": forward_logprobs(client, datum)}
     service.close("success")
-
-
-def start(server, key: str, lora: dict, *, sdk: str | None = None, project: str | None = None) -> httpx.Response:
-    headers = {"X-API-Key": key, **({"X-Stainless-Package-Version": sdk} if sdk else {})}
-    body = {"base_model": BASE_MODEL, "lora_config": lora, **({"destination_project_id": project} if project else {})}
-    return httpx.post(f"{server.base_url}/api/v1/external_weights_upload_start", json=body, headers=headers)
-
-
-def put_urls(answer: httpx.Response, sdk: str | None = None) -> dict[str, str]:
-    """The PUT URL of each file, from either documented form of the answer."""
-    assert answer.status_code == 200, answer.text
-    if sdk is not None and sdk.startswith("0.39"):
-        return documented.ExternalWeightsUploadStartResponseV039.model_validate(answer.json()).urls
-    parsed = documented.ExternalWeightsUploadStartResponse.model_validate(answer.json())
-    assert all(url.headers == {} for url in parsed.urls.values())
-    return {name: url.url for name, url in parsed.urls.items()}
-
-
-def finish(server, key: str, upload_id: str) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/api/v1/external_weights_upload_finish", json={"upload_id": upload_id},
-                      headers={"X-API-Key": key}, timeout=120)
-
-
-def upload(server, key: str, files: dict[str, bytes], lora: dict, **start_args) -> httpx.Response:
-    """start → PUT every file → finish; the finish answer (its ``upload_id`` kept in ``extensions``)."""
-    answer = start(server, key, lora, **start_args)
-    urls = put_urls(answer, start_args.get("sdk"))
-    assert sorted(urls) == [CONFIG, WEIGHTS]
-    for name, url in urls.items():
-        assert httpx.put(url, content=files[name]).status_code == 200
-    finished = finish(server, key, answer.json()["upload_id"])
-    finished.extensions["upload_id"] = answer.json()["upload_id"]
-    return finished
 
 
 def search(server, key: str, **fields) -> httpx.Response:

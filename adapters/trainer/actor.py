@@ -135,10 +135,11 @@ class MultiLoRATrainer:
 
     # ---- adapters -------------------------------------------------------------------------------------------------
     def model_facts(self) -> ModelFacts:
-        """Who this trainer (or shard) is, and what it holds and runs with now: its base model's bytes, and the
-        threads torch runs its passes with (read back from torch when it started; a pass too small to split runs on
+        """Who this trainer (or shard) is, and what it holds and runs with now: its base model's bytes, its runs
+        and the bytes of their adapter state, and the threads torch runs its passes with (read back from torch when it started; a pass too small to split runs on
         one, ``PassThreads``)."""
-        return replace(self.facts, base_bytes=resident_bytes(self.model.base), threads=self.threads.most)
+        return replace(self.facts, base_bytes=resident_bytes(self.model.base), threads=self.threads.most,
+                       runs=len(self.adapters), adapter_bytes=self.adapters.state_bytes())
 
     def create(self, model_id: str, spec: LoraSpec) -> None:
         """Add a freshly initialised adapter (LoRA B = 0, so it starts equal to the base model)."""

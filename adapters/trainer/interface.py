@@ -127,6 +127,11 @@ class ModelFacts:
     """The torch threads this process computes with (``torch.get_num_threads()``, read in it)."""
     checkpointing: str = ""
     """When a training pass checkpoints its layers' activations (``adapters.trainer.memory``), in words."""
+    runs: int = 0
+    """Training runs held now."""
+    adapter_bytes: int = 0
+    """Bytes their adapter state holds in this process now: LoRA weights, gradients and optimizer state
+    (``AdapterTable.state_bytes``)."""
     lora_file_bound: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per weight group, the most numbers per unit of rank and the most tensors a file of an adapter of this model
     holds (``adapters.lora.files.AdapterNaming.file_bound``): what bounds an upload before it is stored."""

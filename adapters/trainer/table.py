@@ -53,6 +53,19 @@ class AdapterTable(Mapping[str, Adapter]):
     def __len__(self) -> int:
         return len(self._runs)
 
+    def state_bytes(self) -> int:
+        """Bytes the training runs' adapter state holds in this process now: LoRA weights, their gradients and the
+        optimizer's state (AdamW's moments, Dimuon's momentum), each storage once."""
+        seen: dict[int, int] = {}
+        for adapter in self._runs.values():
+            tensors = [t for p in adapter.params for t in (p, p.grad) if t is not None]
+            tensors += [t for state in adapter.optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor)]
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
     def get_run(self, model_id: str) -> Adapter:
         """The run ``model_id``, or the user error saying it is not loaded."""
         adapter = self._runs.get(model_id)
