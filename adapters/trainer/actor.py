@@ -96,16 +96,18 @@ class MultiLoRATrainer:
             shard=self.shards.rank, shards=self.shards.world, backend=self.shards.backend,
             base_bytes=resident_bytes(base), threads=torch.get_num_threads(),
         )
-        self.adapters = AdapterTable(self.model, self.device, options.max_adapters)
+        self.adapters = AdapterTable(self.model, self.device, options.max_adapters,
+                                     self.shards.mine if self.shards.world > 1 else None)
         """The training runs, by ``model_id``."""
         self.passes = ModelPasses(self.model, text.vocab_size, self.shards, options.activation_checkpointing_tokens)
         self.threads = PassThreads(threads, _largest_weight(self.passes.recompute.layers[0]),
                                    fixed=options.threads is not None or self.device.type != "cpu")
         """Torch threads per pass (``adapters.cpu_threads``): a pass too small to split runs on one."""
         self.forward_pass = MixedForward(self.passes, self.adapters, self.facts)
-        self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)))
+        self.files = CheckpointFiles(self.adapters, location, self.model.naming(is_vision_language(config)),
+                                     self.shards)
         self.facts = replace(self.facts, lora_file_bound=self.files.naming.file_bound())
-        self.optimizers = Optimizers(self.adapters)
+        self.optimizers = Optimizers(self.adapters, self.shards)
         self.facts = replace(self.facts, checkpointing=self._checkpointing(options))
 
     def _checkpointing(self, options: TrainerOptions) -> str:
@@ -210,8 +212,8 @@ class MultiLoRATrainer:
                 self.adapters.discard(probe)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
-    # Every shard holds the same adapters and optimizer state: rank 0 alone writes them (``on_rank_zero`` in
-    # ``Trainer``).
+    # Every shard holds the same adapters: rank 0 alone writes them (``on_rank_zero`` in ``Trainer``); a training
+    # checkpoint's optimizer state, split over the shards, is gathered by every shard's ``save_state`` together.
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
         self.files.save_for_sampler(model_id, directory)

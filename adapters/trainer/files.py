@@ -10,14 +10,16 @@ from pathlib import Path
 
 import torch
 
-from adapters.disk import writing
+from adapters.disk import DiskFull, writing
 from adapters.lora.files import (
     AdapterNaming,
     read_adapter_file,
     whole_if_integer,
 )
 from adapters.lora.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
+from adapters.trainer import optimizer_state
 from adapters.trainer.interface import LoraSpec, read_lora_spec
+from adapters.trainer.shards import Shards
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
 
@@ -25,8 +27,11 @@ from shims.errors import UserError
 class CheckpointFiles:
     """Writes the table's runs to checkpoint directories and reads them back, for ``MultiLoRATrainer``."""
 
-    def __init__(self, table: AdapterTable, location: str, naming: AdapterNaming) -> None:
+    def __init__(self, table: AdapterTable, location: str, naming: AdapterNaming, shards: Shards) -> None:
+        """``shards``: the trainer's (a plain trainer's is alone); a sharded trainer's runs keep their optimizer
+        state split over them (``adapters.trainer.optimizer_state``)."""
         self.table = table
+        self.shards = shards
         self.location = location
         """The base model's directory, named in each adapter's ``adapter_config.json``."""
         self.naming = naming
@@ -120,13 +125,25 @@ class CheckpointFiles:
         return tensors, list(state), scaling, rank
 
     def save_state(self, model_id: str, directory: str) -> None:
-        """Write the adapter, its optimizer state and step, so training can resume exactly."""
+        """Write the adapter, its optimizer state and step, so training can resume exactly. Sharded, every shard
+        calls this together: rank 0 gathers the optimizer state's parts and writes, and every shard ends as rank 0's
+        write did (the same error on each, so the group agrees: a full disk fails the call, not the group)."""
         adapter = self.table.get_run(model_id)
-        self.save_for_sampler(model_id, directory)
-        with writing(Path(directory)):
-            torch.save(adapter.optimizer.state_dict(), Path(directory) / OPTIMIZER_STATE)
-            (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step,
-                                                                     "lora": asdict(adapter.spec)}))
+        optimizer = optimizer_state.whole(adapter, self.shards)
+        failure: tuple[str, str] | None = None
+        if self.shards.writes:
+            try:
+                self.save_for_sampler(model_id, directory)
+                with writing(Path(directory)):
+                    torch.save(optimizer, Path(directory) / OPTIMIZER_STATE)
+                    (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step,
+                                                                             "lora": asdict(adapter.spec)}))
+            except Exception as exc:  # noqa: BLE001 - told to every shard, then raised alike on each
+                failure = (type(exc).__name__, str(exc))
+        failure = self.shards.everywhere(failure)[0]
+        if failure is not None:
+            kind, message = failure
+            raise {"DiskFull": DiskFull, "UserError": UserError}.get(kind, RuntimeError)(message)
 
     def stage_state(self, model_id: str, directory: str, with_optimizer: bool) -> tuple[Adapter, LoraSpec]:
         """A temporary adapter holding the checkpoint's weights for ``model_id``, and optionally its optimizer; the
@@ -158,7 +175,8 @@ class CheckpointFiles:
         staged = self.table.temporary(spec, tensors, scaling)
         try:
             if with_optimizer:
-                staged.optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=self.table.device))
+                saved = torch.load(src / OPTIMIZER_STATE, map_location=self.table.device)
+                staged.optimizer.load_state_dict(optimizer_state.part(saved, staged))
                 staged.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
         except Exception as exc:  # noqa: BLE001 - as above
             self.table.discard(staged)

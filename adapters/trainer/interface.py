@@ -222,9 +222,9 @@ class Trainer(Protocol):
         """Write a run's adapter for download, named as hosted Tinker names it."""
         ...
 
-    @on_rank_zero
     async def save_state(self, model_id: str, directory: str) -> None:
-        """Write a run's adapter, optimizer state and step into ``directory`` (a training checkpoint)."""
+        """Write a run's adapter, optimizer state and step into ``directory`` (a training checkpoint). On every shard:
+        a sharded trainer's optimizer state is split over them, and gathered to be written."""
         ...
 
     @on_rank_zero

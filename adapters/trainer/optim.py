@@ -6,6 +6,9 @@ saves). When several AdamW runs step together with the same hyperparameters, the
 AdamW in one foreach (fused on CUDA) call instead of one call per run: on a GPU a small run's step is a few hundred
 kernel launches, the same for 1 run or 64. Element by element it is the same arithmetic, so each run's result equals
 its own ``optimizer.step()`` exactly (``tests/test_trainer_optim.py``).
+
+On a sharded trainer each shard's optimizers step only its share of each run's parameters (``Adapter.owned``), so a
+run's moments are held once across the shards; ``share`` then hands every shard the stepped weights.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch.optim.adam import adam
 
 from adapters.trainer.interface import OPTIMIZERS, AdamHyper, DimuonHyper, OptimRequest
+from adapters.trainer.shards import Shards
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
 
@@ -24,8 +28,11 @@ from shims.errors import UserError
 class Optimizers:
     """The optimizer steps of the table's runs, for ``MultiLoRATrainer``."""
 
-    def __init__(self, table: AdapterTable) -> None:
+    def __init__(self, table: AdapterTable, shards: Shards | None = None) -> None:
+        """``shards``: a sharded trainer's, whose shards each step their share of a run's parameters
+        (``Adapter.owned``) and then share the stepped weights (``share``)."""
         self.table = table
+        self.shards = shards
 
     def optim_step(self, model_id: str, hyper: AdamHyper | DimuonHyper) -> dict[str, float]:
         """Apply the accumulated gradient with the run's optimizer (AdamW with decoupled weight decay, or Dimuon),
@@ -59,6 +66,7 @@ class Optimizers:
             metrics = {"grad_norm": grad_norm, "learning_rate": hyper.learning_rate}
             stepped[request.model_id] = (adapter, metrics)
             outcomes.append(metrics)
+        sharing = [adapter for adapter, _ in stepped.values()]  # the same on every shard: their gradients are
         for hyper_fields, adapters in together.items():
             try:
                 adamw_together([a.optimizer for a in adapters], AdamHyper(*hyper_fields))
@@ -69,11 +77,27 @@ class Optimizers:
                         del stepped[model_id]
                         outcomes[[r.model_id for r in requests].index(model_id)] = RuntimeError(
                             f"the optimizer step failed and was not counted: {type(exc).__name__}: {exc}")
+        self.share(sharing)
         for adapter, metrics in stepped.values():
-            adapter.optimizer.zero_grad(set_to_none=True)
+            clear_grads(adapter)
             adapter.step += 1
             metrics["step"] = float(adapter.step)
         return outcomes
+
+    def share(self, adapters: list[Adapter]) -> None:
+        """On a sharded trainer, after each shard stepped its share of these runs' parameters: every shard gets every
+        stepped weight — one sum over the shards, each weight counted by its owner alone (the others add zeros)."""
+        if self.shards is None or self.shards.world == 1 or not adapters:
+            return
+        with torch.no_grad():
+            weights = []
+            for adapter in adapters:
+                owned = set(adapter.owned or ())
+                for index, param in enumerate(adapter.params):
+                    if index not in owned:
+                        param.zero_()
+                    weights.append(param)
+            self.shards.sum_all(weights)
 
     def _clipped(self, request: OptimRequest) -> tuple[Adapter, float]:
         """The run, after checking the request and clipping its gradient; and the gradient's norm before clipping.
@@ -87,13 +111,20 @@ class Optimizers:
         trained = [p for p in adapter.params if p.grad is not None]
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in trained])) if trained else 0.0
         if not math.isfinite(grad_norm):
-            adapter.optimizer.zero_grad(set_to_none=True)
+            clear_grads(adapter)
             raise UserError(f"the accumulated gradient is not finite (norm {grad_norm}); it was discarded and the "
                             "weights were not changed")
         if hyper.grad_clip_norm > 0 and trained:  # scales each parameter's ``.grad`` in place
             torch.nn.utils.clip_grads_with_norm_(trained, hyper.grad_clip_norm,
                                                  torch.tensor(grad_norm, device=trained[0].device))
         return adapter, grad_norm
+
+
+def clear_grads(adapter: Adapter) -> None:
+    """Drop every accumulated gradient of the run (its optimizer's ``zero_grad`` reaches only the parameters it
+    steps)."""
+    for param in adapter.params:
+        param.grad = None
 
 
 @torch.no_grad()

@@ -4,9 +4,11 @@ A base model too large for one device is split over N processes, one per device,
 weights (FSDP2: ``fully_shard`` per decoder layer, as transformers' own FSDP plan lays it out, loaded shard by shard
 so that no process ever holds the whole model). A layer's weights are gathered while the layer runs and freed after.
 
-The LoRA adapters are not sharded: they are small next to the base model (a rank-32 adapter of an 8B model is 0.3 %
-of it), so every shard holds every adapter and its optimizer state, and they stay equal because every shard applies
-the same summed gradient with the same optimizer (data parallelism for the adapters, FSDP for the base). A mixed
+The LoRA weights are not sharded: every shard holds every adapter, and they stay equal because every shard sums the
+same gradients (data parallelism for the adapters, FSDP for the base). Their optimizer state is split (ZeRO's first
+stage): each shard steps its share of a run's parameters, balanced by size, and keeps their moments alone, then the
+shards sum the stepped weights, each counted by its owner (``adapters.trainer.optim``); a training checkpoint gathers
+the shares into the single trainer's ``optimizer.pt`` (``adapters.trainer.optimizer_state``). A mixed
 batch is split across the shards by datum, balanced by tokens; each shard runs the forward and backward of its
 datums, the shards sum each request's loss and the adapters' gradients, and rank 0 answers with every datum's output.
 

@@ -9,10 +9,11 @@ for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from adapters.lora.model import LoRAModel
 from adapters.trainer.dimuon import Dimuon
@@ -31,16 +32,24 @@ class Adapter:
     scaling: float
     """alpha / rank: ``LORA_ALPHA / rank`` when created here; a loaded checkpoint's own."""
     step: int = 0
+    owned: list[int] | None = None
+    """The indices into ``params`` of those this process's optimizer steps and keeps state for: a sharded trainer
+    splits each run's optimizer state over its shards (``Optimizers.share`` then gives every shard the stepped
+    weights); None: all of them."""
 
 
 class AdapterTable(Mapping[str, Adapter]):
     """The training runs on one base model, by ``model_id``; also builds and drops the temporary adapters."""
 
-    def __init__(self, model: LoRAModel, device: torch.device, max_adapters: int) -> None:
+    def __init__(self, model: LoRAModel, device: torch.device, max_adapters: int,
+                 mine: Callable[[list[int]], list[int]] | None = None) -> None:
+        """``mine``: given the sizes of a run's parameters, the indices of those this process steps (a shard of a
+        sharded trainer: its share, balanced by size, ``Shards.mine``); None: all."""
         self.model = model
         """The base model with its LoRA modules; each adapter is on the weight groups its spec names."""
         self.device = device
         self.max_adapters = max_adapters
+        self.mine = mine
         self._runs: dict[str, Adapter] = {}
         self._counter = 0
 
@@ -112,13 +121,16 @@ class AdapterTable(Mapping[str, Adapter]):
         else:
             self.model.put(name, tensors, scaling, trainable=True)
         params = self.model.params(name)
+        owned = None if self.mine is None else self.mine([p.numel() for p in params])
+        # An optimizer takes at least one parameter: a shard that steps none of a run's holds an empty placeholder.
+        stepped = params if owned is None else [params[i] for i in owned] or [nn.Parameter(params[0].new_zeros(0))]
         if spec.optimizer == "dimuon":
-            optimizer: torch.optim.Optimizer = Dimuon(params, spec.rank)
+            optimizer: torch.optim.Optimizer = Dimuon(stepped, spec.rank)
         elif self.device.type == "cuda":  # one kernel for all of a run's tensors
-            optimizer = torch.optim.AdamW(params, lr=AdamHyper.learning_rate, fused=True)
+            optimizer = torch.optim.AdamW(stepped, lr=AdamHyper.learning_rate, fused=True)
         else:
-            optimizer = torch.optim.AdamW(params, lr=AdamHyper.learning_rate, foreach=True)
-        return Adapter(name=name, spec=spec, params=params, optimizer=optimizer, scaling=scaling)
+            optimizer = torch.optim.AdamW(stepped, lr=AdamHyper.learning_rate, foreach=True)
+        return Adapter(name=name, spec=spec, params=params, optimizer=optimizer, scaling=scaling, owned=owned)
 
     def discard(self, adapter: Adapter) -> None:
         """Remove an adapter's matrices from the model (a temporary one, or an unloaded run's)."""

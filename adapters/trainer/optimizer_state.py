@@ -1,0 +1,44 @@
+"""A run's optimizer state as a checkpoint holds it, whole, and as each shard of a sharded trainer holds it: only for
+the parameters that shard steps (``Adapter.owned``).
+
+A checkpoint's ``optimizer.pt`` is always the single trainer's ``optimizer.state_dict()``: one parameter group, its
+state indexed by the run's parameters in the model's order. So a checkpoint written by N shards loads on M, or on
+one: saving gathers the shards' parts on rank 0 (``whole``), loading keeps each shard's part of the whole
+(``part``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from adapters.trainer.shards import Shards
+from adapters.trainer.table import Adapter
+
+
+def whole(adapter: Adapter, shards: Shards) -> dict[str, Any] | None:
+    """The run's whole optimizer state, on rank 0 (None on the others). Sharded, it is gathered from every shard: a
+    collective, so every shard calls this together."""
+    local = adapter.optimizer.state_dict()
+    if adapter.owned is None:
+        return local
+    mine = {adapter.owned[index]: {key: value.cpu() if isinstance(value, torch.Tensor) else value
+                                   for key, value in state.items()}
+            for index, state in local["state"].items() if index < len(adapter.owned)}
+    parts = shards.gather(mine)
+    if parts is None:
+        return None
+    state = {index: part[index] for part in parts for index in sorted(part)}
+    group = {**local["param_groups"][0], "params": list(range(len(adapter.params)))}
+    return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+
+def part(saved: dict[str, Any], adapter: Adapter) -> dict[str, Any]:
+    """What of a whole saved state this process's optimizer takes: the state of the parameters it steps, renumbered
+    as its optimizer lists them (a shard that steps none keeps its placeholder's empty state)."""
+    if adapter.owned is None:
+        return saved
+    state = {new: saved["state"][old] for new, old in enumerate(adapter.owned) if old in saved["state"]}
+    group = {**saved["param_groups"][0], "params": list(range(max(len(adapter.owned), 1)))}
+    return {"state": state, "param_groups": [group]}
