@@ -130,7 +130,7 @@ class CheckpointFiles:
         write did (the same error on each, so the group agrees: a full disk fails the call, not the group)."""
         adapter = self.table.get_run(model_id)
         optimizer = optimizer_state.whole(adapter, self.shards)
-        failure: tuple[str, str] | None = None
+        error: Exception | None = None
         if self.shards.writes:
             try:
                 self.save_for_sampler(model_id, directory)
@@ -139,11 +139,15 @@ class CheckpointFiles:
                     (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step,
                                                                              "lora": asdict(adapter.spec)}))
             except Exception as exc:  # noqa: BLE001 - told to every shard, then raised alike on each
-                failure = (type(exc).__name__, str(exc))
-        failure = self.shards.everywhere(failure)[0]
-        if failure is not None:
-            kind, message = failure
-            raise {"DiskFull": DiskFull, "UserError": UserError}.get(kind, RuntimeError)(message)
+                error = exc
+        if self.shards.world == 1:
+            if error is not None:
+                raise error
+            return
+        kind = next((k for k in (DiskFull, UserError) if isinstance(error, k)), RuntimeError)
+        told = self.shards.everywhere(None if error is None else (kind.__name__, str(error)))[0]
+        if told is not None:
+            raise {"DiskFull": DiskFull, "UserError": UserError}.get(told[0], RuntimeError)(told[1]) from error
 
     def stage_state(self, model_id: str, directory: str, with_optimizer: bool) -> tuple[Adapter, LoraSpec]:
         """A temporary adapter holding the checkpoint's weights for ``model_id``, and optionally its optimizer; the
@@ -175,7 +179,8 @@ class CheckpointFiles:
         staged = self.table.temporary(spec, tensors, scaling)
         try:
             if with_optimizer:
-                saved = torch.load(src / OPTIMIZER_STATE, map_location=self.table.device)
+                # On the CPU: each shard keeps its part, which load_state_dict moves to the device.
+                saved = torch.load(src / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
                 staged.optimizer.load_state_dict(optimizer_state.part(saved, staged))
                 staged.step = int(json.loads((src / TRAINER_STATE).read_text())["step"])
         except Exception as exc:  # noqa: BLE001 - as above

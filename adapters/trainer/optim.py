@@ -44,7 +44,17 @@ class Optimizers:
 
     def optim_steps(self, requests: list[OptimRequest]) -> list[dict[str, float] | Exception]:
         """Several runs' optim steps (each run at most once); one outcome per request, in order: its metrics, or the
-        ``UserError`` that request alone gets (the others still step)."""
+        ``UserError`` that request alone gets (the others still step). On a sharded trainer the user errors are the
+        same on every shard (their gradients are), and any other failure of a shard's own step ends the group, as a
+        failed shared pass does (``Shards.fatal``): the shards would otherwise share weights some did not step."""
+        try:
+            return self._steps(requests)
+        except Exception as exc:
+            if self.shards is not None and self.shards.world > 1:
+                self.shards.fatal(exc)
+            raise
+
+    def _steps(self, requests: list[OptimRequest]) -> list[dict[str, float] | Exception]:
         outcomes: list[dict[str, float] | Exception] = []
         together: dict[tuple, list[Adapter]] = {}
         stepped: dict[str, tuple[Adapter, dict[str, float]]] = {}
@@ -66,18 +76,20 @@ class Optimizers:
             metrics = {"grad_norm": grad_norm, "learning_rate": hyper.learning_rate}
             stepped[request.model_id] = (adapter, metrics)
             outcomes.append(metrics)
-        sharing = [adapter for adapter, _ in stepped.values()]  # the same on every shard: their gradients are
+        sharded = self.shards is not None and self.shards.world > 1
         for hyper_fields, adapters in together.items():
             try:
                 adamw_together([a.optimizer for a in adapters], AdamHyper(*hyper_fields))
-            except Exception as exc:  # noqa: BLE001 - those runs alone did not step; the others' steps stand
-                failed = {id(a) for a in adapters}
+            except Exception as exc:
+                if sharded:
+                    raise
+                failed = {id(a) for a in adapters}  # those runs alone did not step; the others' steps stand
                 for model_id, (adapter, _) in list(stepped.items()):
                     if id(adapter) in failed:
                         del stepped[model_id]
                         outcomes[[r.model_id for r in requests].index(model_id)] = RuntimeError(
                             f"the optimizer step failed and was not counted: {type(exc).__name__}: {exc}")
-        self.share(sharing)
+        self.share([adapter for adapter, _ in stepped.values()])
         for adapter, metrics in stepped.values():
             clear_grads(adapter)
             adapter.step += 1
@@ -88,6 +100,7 @@ class Optimizers:
         """On a sharded trainer, after each shard stepped its share of these runs' parameters: every shard gets every
         stepped weight — one sum over the shards, each weight counted by its owner alone (the others add zeros)."""
         if self.shards is None or self.shards.world == 1 or not adapters:
+            assert self.shards is not None or all(a.owned is None for a in adapters), "split runs need their shards"
             return
         with torch.no_grad():
             weights = []

@@ -39,6 +39,9 @@ def part(saved: dict[str, Any], adapter: Adapter) -> dict[str, Any]:
     as its optimizer lists them (a shard that steps none keeps its placeholder's empty state)."""
     if adapter.owned is None:
         return saved
+    listed = len(saved["param_groups"][0]["params"])
+    if len(saved["param_groups"]) != 1 or listed != len(adapter.params):
+        raise ValueError(f"the optimizer state is for {listed} parameters, and the adapter has {len(adapter.params)}")
     state = {new: saved["state"][old] for new, old in enumerate(adapter.owned) if old in saved["state"]}
     group = {**saved["param_groups"][0], "params": list(range(max(len(adapter.owned), 1)))}
     return {"state": state, "param_groups": [group]}

@@ -72,6 +72,13 @@ class Shards:
                 dist.init_process_group(self.backend, init_method=f"tcp://{spec.address}", rank=spec.rank,
                                         world_size=spec.world, timeout=COLLECTIVE_TIMEOUT,
                                         device_id=device if device.type == "cuda" else None)
+        self._objects = None
+        """The process group objects travel through: on GPUs a gloo group beside NCCL's, so that a pickled object
+        (a run's optimizer state, gathered to be saved) is never staged in device memory."""
+        if spec is not None and self.backend == "nccl" and spec.world > 1:
+            import torch.distributed as dist
+
+            self._objects = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
     @property
     def sharded(self) -> bool:
@@ -80,7 +87,8 @@ class Shards:
 
     @property
     def writes(self) -> bool:
-        """Whether this shard writes the group's files (adapters and optimizer state are the same on every shard)."""
+        """Whether this shard writes the group's files (the adapters are the same on every shard; a training
+        checkpoint's optimizer state is gathered to it first)."""
         return self.rank == 0
 
     def peers_here(self) -> int:
@@ -98,18 +106,19 @@ class Shards:
         import torch.distributed as dist
 
         values: list = [None] * self.world
-        dist.all_gather_object(values, value)
+        dist.all_gather_object(values, value, group=self._objects)
         return values
 
-    def mine(self, sizes: list[int]) -> list[int]:
-        """The datums (indices into ``sizes``, their token counts) this shard runs, in order: the longest first to
-        the shard with the fewest tokens so far, so that the shards finish together."""
+    def mine(self, sizes: list[int], first: int = 0) -> list[int]:
+        """This shard's share of items of ``sizes`` (indices, in order): the largest first to the shard with the
+        least so far (ties: from shard ``first`` on), so that the shards share the work (a batch's datums, by tokens)
+        or the memory (a run's parameters, by elements, ``first`` turning with each run) evenly."""
         if self.world == 1:
             return list(range(len(sizes)))
         load = [0] * self.world
         owner = [0] * len(sizes)
         for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-            rank = min(range(self.world), key=lambda r: (load[r], r))
+            rank = min(range(self.world), key=lambda r: (load[r], (r - first) % self.world))
             owner[index] = rank
             load[rank] += sizes[index]
         return [i for i, rank in enumerate(owner) if rank == self.rank]
@@ -150,7 +159,7 @@ class Shards:
         import torch.distributed as dist
 
         values: list | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(value, values, dst=0)
+        dist.gather_object(value, values, dst=0, group=self._objects)
         return values
 
     def agreed(self, ok: bool) -> bool:

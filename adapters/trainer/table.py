@@ -42,9 +42,10 @@ class AdapterTable(Mapping[str, Adapter]):
     """The training runs on one base model, by ``model_id``; also builds and drops the temporary adapters."""
 
     def __init__(self, model: LoRAModel, device: torch.device, max_adapters: int,
-                 mine: Callable[[list[int]], list[int]] | None = None) -> None:
-        """``mine``: given the sizes of a run's parameters, the indices of those this process steps (a shard of a
-        sharded trainer: its share, balanced by size, ``Shards.mine``); None: all."""
+                 mine: Callable[[list[int], int], list[int]] | None = None) -> None:
+        """``mine``: given the sizes of a run's parameters and a number that differs from run to run, the indices of
+        those this process steps (a shard of a sharded trainer: its share, balanced by size, ``Shards.mine``, the
+        shard that takes the largest turning with each run); None: all."""
         self.model = model
         """The base model with its LoRA modules; each adapter is on the weight groups its spec names."""
         self.device = device
@@ -121,7 +122,7 @@ class AdapterTable(Mapping[str, Adapter]):
         else:
             self.model.put(name, tensors, scaling, trainable=True)
         params = self.model.params(name)
-        owned = None if self.mine is None else self.mine([p.numel() for p in params])
+        owned = None if self.mine is None else self.mine([p.numel() for p in params], self._counter)
         # An optimizer takes at least one parameter: a shard that steps none of a run's holds an empty placeholder.
         stepped = params if owned is None else [params[i] for i in owned] or [nn.Parameter(params[0].new_zeros(0))]
         if spec.optimizer == "dimuon":
