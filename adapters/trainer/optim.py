@@ -28,9 +28,9 @@ from shims.errors import UserError
 class Optimizers:
     """The optimizer steps of the table's runs, for ``MultiLoRATrainer``."""
 
-    def __init__(self, table: AdapterTable, shards: Shards | None = None) -> None:
-        """``shards``: a sharded trainer's, whose shards each step their share of a run's parameters
-        (``Adapter.owned``) and then share the stepped weights (``share``)."""
+    def __init__(self, table: AdapterTable, shards: Shards) -> None:
+        """``shards``: the trainer's (a plain trainer's is alone); a sharded trainer's shards each step their share
+        of a run's parameters (``Adapter.owned``) and then share the stepped weights (``share``)."""
         self.table = table
         self.shards = shards
 
@@ -50,7 +50,7 @@ class Optimizers:
         try:
             return self._steps(requests)
         except Exception as exc:
-            if self.shards is not None and self.shards.world > 1:
+            if self.shards.world > 1:
                 self.shards.fatal(exc)
             raise
 
@@ -76,7 +76,7 @@ class Optimizers:
             metrics = {"grad_norm": grad_norm, "learning_rate": hyper.learning_rate}
             stepped[request.model_id] = (adapter, metrics)
             outcomes.append(metrics)
-        sharded = self.shards is not None and self.shards.world > 1
+        sharded = self.shards.world > 1
         for hyper_fields, adapters in together.items():
             try:
                 adamw_together([a.optimizer for a in adapters], AdamHyper(*hyper_fields))
@@ -99,8 +99,7 @@ class Optimizers:
     def share(self, adapters: list[Adapter]) -> None:
         """On a sharded trainer, after each shard stepped its share of these runs' parameters: every shard gets every
         stepped weight — one sum over the shards, each weight counted by its owner alone (the others add zeros)."""
-        if self.shards is None or self.shards.world == 1 or not adapters:
-            assert self.shards is not None or all(a.owned is None for a in adapters), "split runs need their shards"
+        if self.shards.world == 1 or not adapters:
             return
         with torch.no_grad():
             weights = []
