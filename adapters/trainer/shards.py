@@ -4,12 +4,14 @@ A base model too large for one device is split over N processes, one per device,
 weights (FSDP2: ``fully_shard`` per decoder layer, as transformers' own FSDP plan lays it out, loaded shard by shard
 so that no process ever holds the whole model). A layer's weights are gathered while the layer runs and freed after.
 
-The LoRA weights are not sharded: every shard holds every adapter, and they stay equal because every shard sums the
-same gradients (data parallelism for the adapters, FSDP for the base). Their optimizer state is split (ZeRO's first
-stage): each shard steps its share of a run's parameters, balanced by size, and keeps their moments alone, then the
-shards sum the stepped weights, each counted by its owner (``adapters.trainer.optim``); a training checkpoint gathers
-the shares into the single trainer's ``optimizer.pt`` (``adapters.trainer.optimizer_state``). A mixed
-batch is split across the shards by datum, balanced by tokens; each shard runs the forward and backward of its
+On a mixture of experts each shard holds its share of every MoE layer's routed experts, base weights and every
+adapter's LoRA pairs on them, and tokens travel to their experts' shard and back (expert parallelism,
+``adapters.trainer.parallelize``). Every other LoRA weight is held by every shard, and stays equal because every
+shard sums the same gradients (data parallelism for the adapters, FSDP for the base). Their optimizer state is split
+(ZeRO's first stage): each shard steps its share of a run's parameters, balanced by size, and keeps their moments
+alone, then the shards sum the stepped weights, each counted by its owner (``adapters.trainer.optim``); a training
+checkpoint gathers the shares (and the experts' pairs) into the single trainer's files
+(``adapters.trainer.optimizer_state``). A mixed batch is split across the shards by datum, balanced by tokens; each shard runs the forward and backward of its
 datums, the shards sum each request's loss and the adapters' gradients, and rank 0 answers with every datum's output.
 
 Collectives pair up only when every shard makes the same calls in the same order, so a shard never skips a pass: one
@@ -242,6 +244,7 @@ def load_base(location: str, dtype: torch.dtype, shards: Shards) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
         model.config.distributed_config = DistributedConfig(fsdp_size=1)
         apply_fully_sharded_data_parallelism(model, _OneMesh(init_device_mesh(shards.device.type, (1,))))
+        _tied_head_in_its_unit(model)
     _gathered_through_backward(model)
     return model
 
@@ -254,6 +257,36 @@ class _OneMesh:
 
     def get_mesh(self, name: str):
         return self.mesh
+
+
+def _tied_head_in_its_unit(model: nn.Module) -> None:
+    """Keep a tied head tied once transformers' plan is applied to a loaded model: the plan puts the embedding (with
+    the final norm) in one unit, and the head, outside it, kept the weight it had, which the root unit then took as
+    a weight of its own (FSDP2 refuses that at the first pass). Sharded loading ties the weights again after the plan;
+    here the head shares the embedding unit's weight, as FSDP2 would have had it in that unit."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if not getattr(model, "all_tied_weights_keys", None) or head is None or embed is None:
+        return
+    root = model._get_fsdp_state()._fsdp_param_group
+    stray = [param for param in root.fsdp_params if param._module_info.module is head] if root else []
+    owner = next((param for group in _param_groups(embed) for param in group.fsdp_params
+                  if param._module_info.module is embed), None)
+    if not stray or owner is None:
+        return
+    root.fsdp_params = [param for param in root.fsdp_params if param not in stray]
+    owner._module_info.shared_modules.append(head)
+    owner._module_info.shared_param_names.append("weight")
+    head._parameters["weight"] = embed.weight
+
+
+def _param_groups(module: nn.Module) -> list:
+    """The FSDP2 parameter groups of the unit ``module`` belongs to (itself, or the unit it was grouped in)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return []
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [group] if group is not None else []
 
 
 def _gathered_through_backward(model: nn.Module) -> None:
