@@ -50,6 +50,21 @@ def build_model(directory: Path) -> Path:
     return directory
 
 
+def build_moe_model(directory: Path) -> Path:
+    """A small Qwen3-MoE (2 layers, hidden 512, 16 experts top-4), bf16 weights: the expert-parallel path's model."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
+                            moe_intermediate_size=256, intermediate_size=1024, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+                            architectures=["Qwen3MoeForCausalLM"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
 class Checks:
     """Runs named checks, printing one line each; a failing check is reported and the run goes on."""
 
@@ -199,8 +214,9 @@ def smoke(backend: str, model: Path, device: str, data_dir: Path, extra: tuple[s
 
 
 def sharded(model: Path, device: str) -> list[str]:
-    """The sharded trainer's code path (``--trainer-shards``: FSDP2 units, the process group, the collectives) at
-    world size 1 in this process, NCCL on a GPU, beside the plain trainer: the same training gives the same losses,
+    """The sharded trainer's code path (``--trainer-shards``: FSDP2 units, the process group, the collectives, and on a
+    mixture of experts expert parallelism's all-to-alls) at world size 1 in this process, NCCL on a GPU, beside the
+    plain trainer: the same training gives the same losses,
     gradient norms and logprobs (within the dtype's tolerance). A machine with 3 or more GPUs also runs the server
     smoke with the trainer sharded over all of them but one (``--trainer-shards``)."""
     from adapters.trainer.actor import MultiLoRATrainer
@@ -223,10 +239,11 @@ def sharded(model: Path, device: str) -> list[str]:
         out = trainer.forward_backward("smoke", [datum], "cross_entropy", {}, True).outputs[0]["logprobs"]
         return losses, norms, out
 
-    def world_of_one() -> str:
+    def world_of_one(model: Path = model) -> str:
         split = MultiLoRATrainer(str(model), shard=ShardSpec(0, 1, f"127.0.0.1:{free_port()}"))
         assert split.facts.device.startswith(device) and split.facts.backend == ("nccl" if device == "cuda" else
                                                                                    "gloo"), split.facts
+        experts = split.facts.experts
         got = run(split)
         del split
         want = run(MultiLoRATrainer(str(model)))
@@ -237,9 +254,14 @@ def sharded(model: Path, device: str) -> list[str]:
         np.testing.assert_allclose(got[1], want[1], rtol=tolerance)
         assert got[0][-1] < got[0][0], got[0]
         return (f"5 steps on {device} over {'nccl' if device == 'cuda' else 'gloo'}: losses {got[0][0]:.3f} → "
-                f"{got[0][-1]:.3f}, as the plain trainer's; logprob gap {gap:.2e}")
+                f"{got[0][-1]:.3f}, as the plain trainer's; logprob gap {gap:.2e}"
+                + (f"; expert parallel ({experts}), tokens through all-to-all" if experts else ""))
+
+    def expert_parallel() -> str:
+        return world_of_one(build_moe_model(model.parent / "moe"))
 
     checks.run("world size 1", world_of_one)
+    checks.run("world size 1, a mixture of experts, expert parallel", expert_parallel)
     return checks.failed
 
 

@@ -12,16 +12,19 @@ routed experts, output head):
    each expert's ``scale · B·A`` into a copy of the whole 3-D expert weight on every forward, then runs transformers'
    own experts implementation on it;
 3. this trainer through the server (started with its default flags, ``--base-model DIR``), driven by the unmodified
-   tinker SDK: ``forward_backward`` + ``optim_step`` round trips.
+   tinker SDK: ``forward_backward`` + ``optim_step`` round trips; with ``--trainer-shards`` 1 and 2 (``--shards``),
+   each shard's memory after the steps (resident and peak, the run's adapter state and base weights it holds).
 
 Before any timing, the first step is checked: both start from the same LoRA weights (B ≠ 0; the trainer's gate and up
 pairs of each expert share their A, so that PEFT's single pair on the fused ``gate_up_proj`` holds exactly the same
 adapter), and the two losses and every LoRA gradient are compared and printed.
 
-    python -m bench.moe_lora [--shape cpu-moe|qwen3-30b-a3b] [--layers N] [--rows R] [--length T] [--rank 32]
-                             [--repeats 3] [--server-steps 3] [--threads N] [--no-server]
+    python -m bench.moe_lora [--shape cpu-moe|cpu-128x8|qwen3-30b-a3b] [--layers N] [--rows R] [--length T]
+                             [--rank 32] [--repeats 3] [--server-steps 3] [--threads N] [--no-server]
+                             [--shards 1 2]
                              [--server-arg=--flag ...]
 
+``cpu-128x8`` has Qwen3-30B-A3B's 128 experts, top-8, at a CPU's widths (hidden 256, expert width 128, 2 layers).
 ``qwen3-30b-a3b`` has Qwen3-30B-A3B's real dimensions (hidden 2048, 32/4 heads of 128, 128 experts top-8, expert
 width 768, vocabulary 151,936) with ``--layers`` of its 48 layers (default 8: PEFT's merged expert weights, kept for
 backward, need ≈ 1.2 GB per layer in bf16 on top of the model).
@@ -51,11 +54,16 @@ SHAPES = {
     "cpu-moe": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                 "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
                 "intermediate_size": 1024, "vocab_size": 8192},
+    # Qwen3-30B-A3B's expert count and top-k at a CPU's widths and depth: its adapter, like the real one's, is almost
+    # all experts' (97% here at any rank, 98% there).
+    "cpu-128x8": {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 64, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 128,
+                  "intermediate_size": 1024, "vocab_size": 8192},
     "qwen3-30b-a3b": {"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
                       "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
                       "moe_intermediate_size": 768, "intermediate_size": 6144, "vocab_size": 151936},
 }
-DEFAULTS = {"cpu-moe": {"layers": 4, "rows": 4, "length": 256},
+DEFAULTS = {"cpu-moe": {"layers": 4, "rows": 4, "length": 256}, "cpu-128x8": {"layers": 2, "rows": 8, "length": 256},
             "qwen3-30b-a3b": {"layers": 8, "rows": 8, "length": 1024}}
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -74,7 +82,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int,
                         help="torch CPU threads of this process's two measurements (default: torch's choice); the "
                              "server's trainer gets Ray's default, one thread per reserved CPU (--trainer-cpus 1)")
-    parser.add_argument("--no-server", action="store_true", help="skip the measurement through the server")
+    parser.add_argument("--no-server", action="store_true", help="skip the measurements through the server")
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2],
+                        help="measure through the server with each of these --trainer-shards (default: 1 2)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra server flag, e.g. --server-arg=--sampler-backend=transformers (repeatable)")
     args = parser.parse_args()
@@ -105,14 +115,15 @@ def main() -> None:
     _free()
     record("plain PEFT (target_parameters)", peft["seconds"], {"peak_gb": peft["peak_gb"]})
     check = compare_first_step(ours, peft, device)
-    if not args.no_server:
+    for shards in () if args.no_server else args.shards:
+        workload = "this trainer, tinker SDK → server (default flags)" + (
+            f" --trainer-shards {shards}" if shards > 1 else "")
         try:
-            seconds = server_phase(directory, data, args)
-            record("this trainer, tinker SDK → server (default flags)", seconds)
+            seconds, held = server_phase(directory, data, args, shards)
+            record(workload, seconds, {"shards": held})
         except Exception as exc:  # noqa: BLE001 - the in-process figures still stand; say why this one is missing
             traceback.print_exc()
-            rows.append({"workload": "this trainer, tinker SDK → server (default flags)",
-                         "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"})
+            rows.append({"workload": workload, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"})
     baseline = rows[1]["tokens_per_second"]
     for row in rows:
         if "tokens_per_second" in row:
@@ -353,18 +364,24 @@ def _gate_up_grads(key: str, grads: dict, peft_pair) -> tuple[torch.Tensor, torc
                        peft_pair)
 
 
-def server_phase(directory: Path, data: list[DatumArrays], args) -> float:
-    """Seconds per SDK ``forward_backward`` + ``optim_step`` round trip against the server (median)."""
+def server_phase(directory: Path, data: list[DatumArrays], args, shards: int) -> tuple[float, list[dict]]:
+    """Seconds per SDK ``forward_backward`` + ``optim_step`` round trip against the server (median), started with
+    its default flags and ``--trainer-shards shards``; and per trainer process, after the steps, what it holds: its
+    resident memory and peak (``VmRSS`` / ``VmHWM``), the bytes of the run's adapter state and of base weights in it
+    (``/api/v1/metrics``, read inside the process)."""
+    import httpx
     import tinker
     from tinker import types
 
+    from bench.activation_memory import _status_kib
     from tests.server import start_server
 
     sdk_data = [types.Datum(model_input=types.ModelInput.from_ints(d.tokens.tolist()), loss_fn_inputs={
         "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs["weights"]}) for d in data]
     adam = types.AdamParams(learning_rate=LEARNING_RATE)
+    flags = ("--trainer-shards", str(shards)) if shards > 1 else ()
     server = start_server(Path(tempfile.mkdtemp(prefix="bench-moe-server-")), "--base-model", str(directory),
-                          *args.server_arg, timeout=900)
+                          *flags, *args.server_arg, timeout=900)
     try:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
         client = service.create_lora_training_client(base_model=str(directory), rank=args.rank, seed=0).result()
@@ -374,8 +391,15 @@ def server_phase(directory: Path, data: list[DatumArrays], args) -> float:
             client.optim_step(adam).result()
 
         seconds = _timed(args.server_steps, step)
+        time.sleep(3)  # the pool reads what each process holds every 2 s
+        trainer = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": server.admin_key}).json()[
+            "training"][str(directory)]
+        held = [{"rank": shard["rank"], "adapter_state_mib": shard["adapter_bytes"] / 2**20,
+                 "base_weights_mib": shard["base_bytes"] / 2**20,
+                 "rss_mib": _status_kib(shard["pid"], "VmRSS") / 1024,
+                 "peak_rss_mib": _status_kib(shard["pid"], "VmHWM") / 1024} for shard in trainer["shards"]]
         service.close("success")
-        return seconds
+        return seconds, held
     finally:
         server.stop()
         shutil.rmtree(server.data_dir, ignore_errors=True)

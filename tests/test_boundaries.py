@@ -35,8 +35,7 @@ def test_each_ray_side_class_implements_its_protocol(protocol, path, concurrent)
 
 
 def test_the_protocols_say_which_calls_stream_and_which_run_on_rank_zero_alone():
-    assert [m.name for m in methods(Trainer).values() if m.rank_zero] == ["save_for_sampler", "save_for_export",
-                                                                          "import_adapter"]
+    assert [m.name for m in methods(Trainer).values() if m.rank_zero] == ["import_adapter"]
     assert [m.name for m in methods(SamplerReplica).values() if m.streams] == ["stream"]
     assert not any(m.streams for m in methods(Trainer).values())
 
@@ -153,12 +152,11 @@ def _pool(shards: int, spans: list | None = None) -> tuple[TrainerPool, TrainerG
 ])
 @pytest.mark.parametrize("shards", [1, 2])
 def test_each_operation_is_one_traced_call_of_the_actor_method_of_its_name(operation, args, model_id, shards):
-    """On every shard of a sharded trainer, once each (a checkpoint's writing on rank 0 alone), and rank 0
-    answers."""
+    """On every shard of a sharded trainer, once each (an upload's check on rank 0 alone), and rank 0 answers."""
     spans: list = []
     pool, group = _pool(shards, spans)
     answer = asyncio.run(getattr(pool.trainer("base"), operation)(*args))
-    rank_zero = operation in ("save_for_sampler", "save_for_export", "import_adapter")  # files of what all hold alike
+    rank_zero = operation == "import_adapter"  # reads files only
     for rank, actor in enumerate(group.actors):
         assert actor.calls == ([] if rank and rank_zero else [(operation, args, {})])
     assert answer == f"{operation} done"

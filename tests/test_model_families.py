@@ -145,6 +145,27 @@ def test_trained_adapter_equals_the_merged_reference_in_trainer_and_sampler(name
     np.testing.assert_allclose(np.asarray(scored[1:], dtype=np.float64), ours, atol=1e-4)
 
 
+@pytest.mark.parametrize(("name", "rank"), [("qwen3_moe", 128), ("gpt_oss", 64)])
+def test_a_lora_of_rank_above_32_on_a_mixture_of_experts_trains_saves_exports_and_samples(name, rank, client, server,
+                                                                                           families):
+    """Hosted Tinker refuses ranks above 32 on MoE models; here a rank-128 (and 64) LoRA on every expert trains, its
+    sampler weights equal the merged reference in trainer and sampler, and its export holds hosted Tinker's 3-D
+    expert tensors of that rank."""
+    run = client.create_lora_training_client(base_model=families[name], rank=rank, seed=12).result()
+    train(run, DATUM, 2, types.AdamParams(learning_rate=1e-3))
+    ours = forward_logprobs(run, DATUM)
+    path = run.save_weights_for_sampler(f"{name}-rank-{rank}").result().path
+    stored = checkpoint_dir(server.data_dir, path)
+    expected = _logprobs(_merged_reference(families[name], stored))
+    assert np.abs(expected - _logprobs(reference_model(families[name]))).max() > 1e-3, "training moved nothing"
+    np.testing.assert_allclose(ours, expected, atol=1e-4)
+    scored = run.create_sampling_client(model_path=path).compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
+    np.testing.assert_allclose(np.asarray(scored[1:], dtype=np.float64), ours, atol=1e-4)
+    exported = checkpoint_dir(server.data_dir, run.save_weights_external(f"{name}-rank-{rank}").result().path)
+    experts = [t for k, t in load_file(exported / "adapter_model.safetensors").items() if ".experts." in k]
+    assert experts and all(t.dim() == 3 and rank in t.shape[1:] for t in experts)
+
+
 @pytest.fixture(scope="module")
 def python():
     return cookbook_python()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from adapters.lora.expert_parallel import ExpertShare, dispatched
 from adapters.lora.linear import Pairs, Slot
 from adapters.lora.routing import Router
 
@@ -63,8 +64,18 @@ class LoRAExperts(nn.Module):
                  for name in (("gate_proj", "up_proj") if base.has_gate else ("up_proj",))]
         slots.append(Slot(f"{path}.down_proj", "mlp", int(in_down), int(out_down), experts))
         self.lora = Pairs(slots)
+        self.share: ExpertShare | None = None
+        """This process's share of the experts when a model's experts are split over processes (expert parallelism,
+        ``adapters.lora.expert_parallel``); None: it computes every expert."""
+
+    @property
+    def experts(self) -> int:
+        """How many routed experts the module has (in the whole model, whichever of them this process holds)."""
+        return self.lora.slots[0].experts
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.share is not None:
+            return dispatched(self, self.share, hidden, top_k_index, top_k_weights)
         routing = self.router.active(self.lora.scaling)
         if routing is None:
             return self.run(hidden, top_k_index, top_k_weights, None)
@@ -79,11 +90,20 @@ class LoRAExperts(nn.Module):
         """The experts' output for ``hidden`` (tokens × features) through adapter ``name`` (None: the base experts,
         computed the same way, so that an adapter whose B is zero gives exactly the base output; and on any shapes,
         where transformers' own grouped path needs aligned ones)."""
-        base = self.base
         tokens, top_k = top_k_index.shape
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
-        x = hidden[order // top_k]
-        counts = torch.bincount(expert_ids, minlength=self.lora.slots[0].experts)
+        counts = torch.bincount(expert_ids, minlength=self.experts)
+        out = self.compute(hidden[order // top_k], counts, name)
+        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
+        return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, name: str | None) -> torch.Tensor:
+        """Each row of ``x`` through its expert, unweighted: the rows sorted by expert, ``counts[e]`` of them for the
+        ``e``-th expert this process holds (all of them, unless they are split over processes:
+        ``adapters.lora.expert_parallel``), through adapter ``name``'s pairs on it (None: the base alone)."""
+        base = self.base
+        experts = slice(0, counts.numel())
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         scale = self.lora.scaling[name] if name is not None else 0.0
         pairs = [(a.to(x.dtype), b.to(x.dtype)) for a, b in self.lora.pairs[name]] if name is not None else []
@@ -95,8 +115,13 @@ class LoRAExperts(nn.Module):
             return grouped_mm(grouped_mm(inputs, a.transpose(1, 2), offsets), b.transpose(1, 2), offsets) * scale
 
         def project(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            weight = weight[experts]
             out = grouped_mm(inputs, weight if base.is_transposed else weight.transpose(1, 2), offsets)
-            return out + bias[expert_ids] if bias is not None else out
+            if bias is None:
+                return out
+            expert_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                                 output_size=inputs.shape[0])
+            return out + bias[experts][expert_ids]
 
         if base.has_gate:
             up = project(x, base.gate_up_proj, base.gate_up_proj_bias if base.has_bias else None)
@@ -109,7 +134,4 @@ class LoRAExperts(nn.Module):
             inner = base._apply_gate(up)
         else:
             inner = base.act_fn(project(x, base.up_proj, base.up_proj_bias if base.has_bias else None) + lora(x, 0))
-        out = project(inner, base.down_proj, base.down_proj_bias if base.has_bias else None) + lora(inner, -1)
-        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-        unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
-        return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+        return project(inner, base.down_proj, base.down_proj_bias if base.has_bias else None) + lora(inner, -1)

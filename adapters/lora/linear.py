@@ -68,9 +68,15 @@ class Pairs:
         self.slots = slots
         self.pairs: dict[str, list[tuple[nn.Parameter, nn.Parameter]]] = {}
         self.scaling: dict[str, float] = {}
+        self.held: slice | None = None
+        """Routed experts' pairs: which experts this process holds when they are split over processes
+        (``adapters.lora.expert_parallel``); None: all of them."""
 
     def put(self, name: str, tensors: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
             device: torch.device, trainable: bool) -> None:
+        """Hold ``name``'s pairs (whole: of every expert; this process keeps the experts it ``held``)."""
+        if self.held is not None:
+            tensors = [(a[self.held].clone(), b[self.held].clone()) for a, b in tensors]  # not views of the whole
         self.pairs[name] = [(nn.Parameter(a.to(device, torch.float32), requires_grad=trainable),
                              nn.Parameter(b.to(device, torch.float32), requires_grad=trainable)) for a, b in tensors]
         self.scaling[name] = scaling

@@ -120,8 +120,20 @@ class LoRAModel:
         return [p for module in self.modules.values() if name in module.lora
                 for pair in module.lora.pairs[name] for p in pair]
 
+    def held(self, name: str) -> list[slice | None]:
+        """For each parameter of ``params(name)``, in order: the experts of it this process holds where the model's
+        experts are split over processes (``adapters.lora.expert_parallel``); None for a whole one."""
+        return [module.lora.held for module in self.modules.values() if name in module.lora
+                for _ in module.lora.pairs[name] for _ in range(2)]
+
+    def split_keys(self) -> set[str]:
+        """The slots whose pairs this process holds only a share of (its experts')."""
+        return {slot.key for module in self.modules.values() if module.lora.held is not None
+                for slot in module.lora.slots}
+
     def tensors(self, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``name``'s pairs by slot key, detached, on the CPU."""
+        """``name``'s pairs by slot key, detached, on the CPU (of a split slot, this process's experts alone:
+        ``split_keys``)."""
         return {slot.key: (a.detach().cpu(), b.detach().cpu()) for module in self.modules.values()
                 if name in module.lora
                 for slot, (a, b) in zip(module.lora.slots, module.lora.pairs[name], strict=True)}

@@ -50,6 +50,7 @@ from adapters.trainer.interface import (
 from adapters.trainer.memory import ActivationBudget, kept_per_token
 from adapters.trainer.optim import Optimizers
 from adapters.trainer.options import TrainerOptions
+from adapters.trainer.parallelize import apply_expert_parallel
 from adapters.trainer.passes import ModelPasses
 from adapters.trainer.shards import Shards, load_base, local_device, resident_bytes
 from adapters.trainer.table import AdapterTable
@@ -88,13 +89,15 @@ class MultiLoRATrainer:
         base = load_base(location, dtype, self.shards)
         base.requires_grad_(False)
         self.model = LoRAModel(base)
-        """The base model with every weight matrix a LoRA adapts wrapped (``adapters.lora.targets``)."""
+        """The base model with every weight matrix a LoRA adapts wrapped (``adapters.lora.targets``), its routed
+        experts split over the shards (``adapters.trainer.parallelize``)."""
+        experts = apply_expert_parallel(self.model, self.shards)
         self.facts = ModelFacts(
             vocab_size=text.vocab_size, max_context=text.max_context,
             arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
             pid=os.getpid(), boot=uuid.uuid4().hex, lora_targets=self.model.describe(),
             shard=self.shards.rank, shards=self.shards.world, backend=self.shards.backend,
-            base_bytes=resident_bytes(base), threads=torch.get_num_threads(),
+            base_bytes=resident_bytes(base), threads=torch.get_num_threads(), experts=experts or "",
         )
         self.adapters = AdapterTable(self.model, self.device, options.max_adapters,
                                      self.shards.mine if self.shards.world > 1 else None)

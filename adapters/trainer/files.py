@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from adapters.lora.files import (
 from adapters.lora.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
 from adapters.trainer import optimizer_state
 from adapters.trainer.interface import LoraSpec, read_lora_spec
+from adapters.trainer.parallelize import whole_tensors
 from adapters.trainer.shards import Shards
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
@@ -47,7 +49,26 @@ class CheckpointFiles:
 
     def _write_adapter(self, model_id: str, out: Path, export: bool) -> None:
         adapter = self.table.get_run(model_id)
-        self._write(out, self.table.model.tensors(adapter.name), adapter.spec.rank, adapter.scaling, export)
+        tensors = whole_tensors(self.table.model, adapter.name, self.shards)
+        self._on_rank_zero(lambda: self._write(out, tensors, adapter.spec.rank, adapter.scaling, export))
+
+    def _on_rank_zero(self, write: Callable[[], None]) -> None:
+        """``write()`` on rank 0, which writes the group's files; on a sharded trainer its outcome is told to every
+        shard and raised alike on each, so that the group agrees (a full disk fails the call, not the group)."""
+        error: Exception | None = None
+        if self.shards.writes:
+            try:
+                write()
+            except Exception as exc:  # noqa: BLE001 - told to every shard, then raised alike on each
+                error = exc
+        if self.shards.world == 1:
+            if error is not None:
+                raise error
+            return
+        kind = next((k for k in (DiskFull, UserError) if isinstance(error, k)), RuntimeError)
+        told = self.shards.everywhere(None if error is None else (kind.__name__, str(error)))[0]
+        if told is not None:
+            raise {"DiskFull": DiskFull, "UserError": UserError}.get(told[0], RuntimeError)(told[1]) from error
 
     def _write(self, out: Path, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, scaling: float,
                export: bool) -> None:
@@ -126,28 +147,19 @@ class CheckpointFiles:
 
     def save_state(self, model_id: str, directory: str) -> None:
         """Write the adapter, its optimizer state and step, so training can resume exactly. Sharded, every shard
-        calls this together: rank 0 gathers the optimizer state's parts and writes, and every shard ends as rank 0's
-        write did (the same error on each, so the group agrees: a full disk fails the call, not the group)."""
+        calls this together: rank 0 gathers the adapter's experts and the optimizer state's parts, and writes."""
         adapter = self.table.get_run(model_id)
         optimizer = optimizer_state.whole(adapter, self.shards)
-        error: Exception | None = None
-        if self.shards.writes:
-            try:
-                self.save_for_sampler(model_id, directory)
-                with writing(Path(directory)):
-                    torch.save(optimizer, Path(directory) / OPTIMIZER_STATE)
-                    (Path(directory) / TRAINER_STATE).write_text(json.dumps({"step": adapter.step,
-                                                                             "lora": asdict(adapter.spec)}))
-            except Exception as exc:  # noqa: BLE001 - told to every shard, then raised alike on each
-                error = exc
-        if self.shards.world == 1:
-            if error is not None:
-                raise error
-            return
-        kind = next((k for k in (DiskFull, UserError) if isinstance(error, k)), RuntimeError)
-        told = self.shards.everywhere(None if error is None else (kind.__name__, str(error)))[0]
-        if told is not None:
-            raise {"DiskFull": DiskFull, "UserError": UserError}.get(told[0], RuntimeError)(told[1]) from error
+        tensors = whole_tensors(self.table.model, adapter.name, self.shards)
+        out = Path(directory)
+
+        def write() -> None:
+            self._write(out, tensors, adapter.spec.rank, adapter.scaling, export=False)
+            with writing(out):
+                torch.save(optimizer, out / OPTIMIZER_STATE)
+                (out / TRAINER_STATE).write_text(json.dumps({"step": adapter.step, "lora": asdict(adapter.spec)}))
+
+        self._on_rank_zero(write)
 
     def stage_state(self, model_id: str, directory: str, with_optimizer: bool) -> tuple[Adapter, LoraSpec]:
         """A temporary adapter holding the checkpoint's weights for ``model_id``, and optionally its optimizer; the

@@ -147,15 +147,17 @@ class MixedForward:
                 self._close_part(ready[position][1], part)
             failed, losses = self._agree(parts)
             learning: list[torch.nn.Parameter] = []
+            held: set[int] = set()
             trained = []
             for position, (_, request, adapter, _) in enumerate(ready):
                 if failed[position] or request.forward_only:
                     continue
+                held.update(id(adapter.params[i]) for i in adapter.held)
                 learning.extend(adapter.params)
                 if parts[position].total is not None:
                     trained.append(parts[position].total)
             if learning:
-                self._backward(trained, learning, hidden, probes)
+                self._backward(trained, learning, held, hidden, probes)
         answers = self.shards.gather([(p.outputs, p.custom.tally() if p.custom else None,
                                        p.error if failed[i] else None) for i, p in enumerate(parts)])
         if answers is None:
@@ -260,18 +262,19 @@ class MixedForward:
         losses = status[:, 0].tolist()
         return [bool(status[i, 1] > 0) or not math.isfinite(losses[i]) for i in range(len(parts))], losses
 
-    def _backward(self, trained: list[torch.Tensor], learning: list[torch.nn.Parameter], hidden: torch.Tensor,
-                  probes: list[torch.Tensor]) -> None:
+    def _backward(self, trained: list[torch.Tensor], learning: list[torch.nn.Parameter], held: set[int],
+                  hidden: torch.Tensor, probes: list[torch.Tensor]) -> None:
         """Gradients of the learning adapters only (the layers concatenate every adapter's rows, so a plain backward
         would also reach the adapters only being read), summed over the shards and added to theirs only once the
         whole backward has succeeded. A sharded trainer's shards all go through every layer of every forward
-        (``probes``), also one whose datums train nothing, for the collectives of the layers' backward."""
+        (``probes``), also one whose datums train nothing, for the collectives of the layers' backward. An expert's
+        share of a pair (``held``: ids of such parameters) has its whole gradient on its own shard: not summed."""
         root = torch.stack(trained).sum() if trained else hidden.sum() * 0.0
         inputs = learning + probes
         grads = list(torch.autograd.grad(root, inputs, allow_unused=True))[: len(learning)]
         if self.shards.world > 1:  # every shard sums the same list, a gradient it has none of as zeros
             grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(learning, grads, strict=True)]
-            self.shards.sum_all(grads)
+            self.shards.sum_all([g for p, g in zip(learning, grads, strict=True) if id(p) not in held])
         with torch.no_grad():
             for param, grad in zip(learning, grads, strict=True):
                 if grad is None:

@@ -127,6 +127,9 @@ class ModelFacts:
     """The torch threads this process computes with (``torch.get_num_threads()``, read in it)."""
     checkpointing: str = ""
     """When a training pass checkpoints its layers' activations (``adapters.trainer.memory``), in words."""
+    experts: str = ""
+    """Which routed experts this shard holds, with their LoRA pairs (``adapters.trainer.parallelize``), in words;
+    "" when it holds every one (a plain trainer, a model without routed experts)."""
     runs: int = 0
     """Training runs held now."""
     adapter_bytes: int = 0
@@ -212,14 +215,14 @@ class Trainer(Protocol):
         request gets its own outcome."""
         ...
 
-    @on_rank_zero
     async def save_for_sampler(self, model_id: str, directory: str) -> None:
-        """Write a run's adapter as a PEFT directory samplers load."""
+        """Write a run's adapter as a PEFT directory samplers load. On every shard: a sharded trainer's MoE adapters
+        are split over them by expert, and gathered to be written."""
         ...
 
-    @on_rank_zero
     async def save_for_export(self, model_id: str, directory: str) -> None:
-        """Write a run's adapter for download, named as hosted Tinker names it."""
+        """Write a run's adapter for download, named as hosted Tinker names it (on every shard, as
+        ``save_for_sampler``)."""
         ...
 
     async def save_state(self, model_id: str, directory: str) -> None:

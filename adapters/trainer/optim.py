@@ -105,7 +105,8 @@ class Optimizers:
             weights = []
             for adapter in adapters:
                 owned = set(adapter.owned or ())
-                for index, param in enumerate(adapter.params):
+                for index in adapter.whole():  # an expert's share (``held``) is its shard's alone
+                    param = adapter.params[index]
                     if index not in owned:
                         param.zero_()
                     weights.append(param)
@@ -121,7 +122,7 @@ class Optimizers:
             raise UserError(f"this training run uses the {adapter.spec.optimizer} optimizer (chosen when it was "
                             f"created): send {'AdamParams' if adapter.spec.optimizer == 'adamw' else 'DimuonParams'}")
         trained = [p for p in adapter.params if p.grad is not None]
-        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in trained])) if trained else 0.0
+        grad_norm = self._norm(adapter)
         if not math.isfinite(grad_norm):
             clear_grads(adapter)
             raise UserError(f"the accumulated gradient is not finite (norm {grad_norm}); it was discarded and the "
@@ -130,6 +131,23 @@ class Optimizers:
             torch.nn.utils.clip_grads_with_norm_(trained, hyper.grad_clip_norm,
                                                  torch.tensor(grad_norm, device=trained[0].device))
         return adapter, grad_norm
+
+
+    def _norm(self, adapter: Adapter) -> float:
+        """The norm of the run's whole gradient: on a sharded trainer whose experts are split (``Adapter.held``),
+        of every shard's experts' gradients too (a collective: every shard asks for the same runs in turn)."""
+        grads = [p.grad for p in adapter.params if p.grad is not None]
+        if not adapter.held:
+            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        whole = [adapter.params[i].grad for i in adapter.whole() if adapter.params[i].grad is not None]
+        held = [adapter.params[i].grad for i in adapter.held if adapter.params[i].grad is not None]
+        squares = torch.zeros(2, dtype=torch.float64, device=self.shards.device)
+        if held:
+            squares[0] = torch.nn.utils.get_total_norm(held).double() ** 2
+        squares = self.shards.sum(squares)
+        if whole:  # the same on every shard
+            squares[1] = torch.nn.utils.get_total_norm(whole).double() ** 2
+        return float(squares.sum().sqrt())
 
 
 def clear_grads(adapter: Adapter) -> None:

@@ -86,6 +86,8 @@ class TrainerPool:
                 held = ", ".join(f"{f.base_bytes / 2**20:.1f} MiB on {f.device} with {f.threads} torch threads "
                                  f"(pid {f.pid}, node {f.node[:12]})" for f in group.facts)
                 where = f"{group.size} shards over {fact.backend}, base weights {held}"
+                if fact.experts:
+                    where += "; expert parallel, each shard holding " + " / ".join(f.experts for f in group.facts)
             else:
                 where = f"{fact.device}, {fact.threads} torch threads, Ray node {fact.node[:12]}"
             log.info("trainer ready: %s (%s, vocab %d, context %d, %s); LoRA adapts %s; activation checkpointing: %s",

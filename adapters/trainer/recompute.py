@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from adapters.lora.routing import Router
 from adapters.trainer.memory import ActivationBudget
@@ -65,7 +65,10 @@ class LayerRecompute:
                 with self.router.restored(routing):
                     return forward(*a, **k)
 
-            return checkpoint(again, *args, use_reentrant=False, **kwargs)
+            # Recomputed to the layer's end, never stopped once the tensors backward needs are back: a layer's
+            # collectives (expert parallelism's all-to-alls) must all run again on every shard alike.
+            with set_checkpoint_early_stop(False):
+                return checkpoint(again, *args, use_reentrant=False, **kwargs)
 
         return run
 

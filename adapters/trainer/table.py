@@ -10,7 +10,7 @@ for it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,6 +36,13 @@ class Adapter:
     """The indices into ``params`` of those this process's optimizer steps and keeps state for: a sharded trainer
     splits each run's optimizer state over its shards (``Optimizers.share`` then gives every shard the stepped
     weights); None: all of them."""
+    held: dict[int, slice] = field(default_factory=dict)
+    """The indices into ``params`` of those this process holds only its experts' share of (expert parallelism,
+    ``adapters.trainer.parallelize``), with that share: always in ``owned``, never summed over the shards."""
+
+    def whole(self) -> list[int]:
+        """The indices of the parameters every shard holds whole."""
+        return [i for i in range(len(self.params)) if i not in self.held]
 
 
 class AdapterTable(Mapping[str, Adapter]):
@@ -63,11 +70,11 @@ class AdapterTable(Mapping[str, Adapter]):
     def __len__(self) -> int:
         return len(self._runs)
 
-    def state_bytes(self) -> int:
-        """Bytes the training runs' adapter state holds in this process now: LoRA weights, their gradients and the
-        optimizer's state (AdamW's moments, Dimuon's momentum), each storage once."""
+    def state_bytes(self, model_id: str | None = None) -> int:
+        """Bytes the training runs' adapter state (or run ``model_id``'s alone) holds in this process now: LoRA
+        weights, their gradients and the optimizer's state (AdamW's moments, Dimuon's momentum), each storage once."""
         seen: dict[int, int] = {}
-        for adapter in self._runs.values():
+        for adapter in self._runs.values() if model_id is None else [self.get_run(model_id)]:
             tensors = [t for p in adapter.params for t in (p, p.grad) if t is not None]
             tensors += [t for state in adapter.optimizer.state.values() for t in state.values()
                         if isinstance(t, torch.Tensor)]
@@ -122,7 +129,12 @@ class AdapterTable(Mapping[str, Adapter]):
         else:
             self.model.put(name, tensors, scaling, trainable=True)
         params = self.model.params(name)
-        owned = None if self.mine is None else self.mine([p.numel() for p in params], self._counter)
+        held = {i: rows for i, rows in enumerate(self.model.held(name)) if rows is not None}
+        owned = None
+        if self.mine is not None:  # the experts' share a shard holds is its own; the rest is split by size
+            whole = [i for i in range(len(params)) if i not in held]
+            owned = sorted([*held, *(whole[i] for i in self.mine([params[i].numel() for i in whole],
+                                                                  self._counter))])
         # An optimizer takes at least one parameter: a shard that steps none of a run's holds an empty placeholder.
         stepped = params if owned is None else [params[i] for i in owned] or [nn.Parameter(params[0].new_zeros(0))]
         if spec.optimizer == "dimuon":
@@ -131,7 +143,8 @@ class AdapterTable(Mapping[str, Adapter]):
             optimizer = torch.optim.AdamW(stepped, lr=AdamHyper.learning_rate, fused=True)
         else:
             optimizer = torch.optim.AdamW(stepped, lr=AdamHyper.learning_rate, foreach=True)
-        return Adapter(name=name, spec=spec, params=params, optimizer=optimizer, scaling=scaling, owned=owned)
+        return Adapter(name=name, spec=spec, params=params, optimizer=optimizer, scaling=scaling, owned=owned,
+                       held=held)
 
     def discard(self, adapter: Adapter) -> None:
         """Remove an adapter's matrices from the model (a temporary one, or an unloaded run's)."""
