@@ -291,18 +291,19 @@ async def streamed_chat_chunks(vocab, tokens, tools, finish: str, stops=(), incl
     yield chat_chunk(*header, used=usage(7, len(tokens)))
 
 
-def crash_the_trainer(server, key: str, process: Callable[[dict], tuple[int, str]]):
-    """kill -9 a process of ``server``'s trainer under a running request, and check what users get: that request
-    fails as a server error saying which process died (``process(metrics["training"][BASE_MODEL])`` gives its pid and
-    the name the error gives it: ``its process`` or ``its shard 1 of 2``); no process of the old trainer is left; a
+def crash_the_trainer(server, key: str, process: Callable[[dict], tuple[int, str]], base_model: str = BASE_MODEL):
+    """kill -9 a process of ``server``'s trainer of ``base_model`` under a running request, and check what users get:
+    that request fails as a server error saying which process died (``process(metrics["training"][base_model])``
+    gives its pid and the name the error gives it: ``its process`` or ``its shard 1 of 2``); no process of the old
+    trainer is left; a
     run saved at step 2 and stepped once more is reloaded from its checkpoint, its next request names the step lost,
     once, then it scores as at the checkpoint and trains on; a run that never saved says the trainer restarted.
     Returns the saved run's client and datum."""
     import psutil
 
     service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
-    saved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1).result()
-    unsaved = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=2).result()
+    saved = service.create_lora_training_client(base_model=base_model, rank=4, seed=1).result()
+    unsaved = service.create_lora_training_client(base_model=base_model, rank=4, seed=2).result()
     datum = make_datum([11, 42, 77, 103], [250, 3, 99])
     train(saved, datum, 2)
     saved.save_state("last-good").result()
@@ -313,7 +314,7 @@ def crash_the_trainer(server, key: str, process: Callable[[dict], tuple[int, str
 
     def trainer() -> dict:
         return httpx.get(f"{server.base_url}/api/v1/metrics", headers=server.admin, timeout=30).json()["training"][
-            BASE_MODEL]
+            base_model]
 
     before = trainer()
     pid, named = process(before)
@@ -325,7 +326,7 @@ def crash_the_trainer(server, key: str, process: Callable[[dict], tuple[int, str
     with pytest.raises(tinker.RequestFailedError) as failed:
         in_flight.result()
     assert failed.value.category == types.RequestErrorCategory.Server, str(failed.value)
-    assert (f"trainer for {BASE_MODEL} is not available: {named} (pid {pid}) died; it restarts, and its training runs "
+    assert (f"trainer for {base_model} is not available: {named} (pid {pid}) died; it restarts, and its training runs "
             "come back from their last checkpoints") in str(failed.value), str(failed.value)
 
     deadline = time.monotonic() + 180

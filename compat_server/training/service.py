@@ -94,15 +94,16 @@ class TrainingService:
     def metrics(self) -> dict:
         """Per base model: how many forward / forward_backward requests the trainer ran, in how many batches, and
         how many optim steps, in how many trainer calls; where its processes are (each shard of a sharded one, with
-        the bytes of base weights it holds, its runs and the bytes of their adapter state — weights, gradients and
-        optimizer state —, and the torch threads it runs, read in it every 2 s), and how often it restarted."""
+        the bytes of base weights it holds, which routed experts it holds (expert parallel; "" for all), its runs and
+        the bytes of their adapter state — weights, gradients and optimizer state —, and the torch threads it runs,
+        read in it every 2 s), and how often it restarted."""
         trainers = self.scheduler.trainers
         return {name: {**counts, "mean_requests_per_batch": counts["requests"] / counts["batches"] if counts["batches"]
                        else None, "node": trainers.facts[name].node, "pid": trainers.facts[name].pid,
                        "torch_threads": trainers.facts[name].threads, "restarts": trainers.groups[name].restarts,
                        "shards": [{"rank": f.shard, "pid": f.pid, "node": f.node, "device": f.device,
                                    "backend": f.backend, "base_bytes": f.base_bytes, "torch_threads": f.threads,
-                                   "runs": f.runs, "adapter_bytes": f.adapter_bytes}
+                                   "runs": f.runs, "adapter_bytes": f.adapter_bytes, "experts": f.experts}
                                   for f in trainers.groups[name].facts]}
                 for name, counts in trainers.batch_counts.items()}
 
