@@ -50,7 +50,7 @@ from adapters.trainer.interface import (
 from adapters.trainer.memory import ActivationBudget, kept_per_token
 from adapters.trainer.optim import Optimizers
 from adapters.trainer.options import TrainerOptions
-from adapters.trainer.parallelize import apply_expert_parallel
+from adapters.trainer.parallelize import apply_activation_checkpointing, apply_expert_parallel, apply_fsdp
 from adapters.trainer.passes import ModelPasses
 from adapters.trainer.shards import Shards, load_base, local_device, resident_bytes
 from adapters.trainer.table import AdapterTable
@@ -88,10 +88,13 @@ class MultiLoRATrainer:
         threads = set_torch_threads(options.threads, self.shards.peers_here())
         base = load_base(location, dtype, self.shards)
         base.requires_grad_(False)
+        # Parallelism, applied here alone (``adapters.trainer.parallelize``): FSDP2 for a sharded trainer's base
+        # weights, its MoE layers' experts split over the shards, layers that may recompute their activations.
+        apply_fsdp(base, self.shards)
         self.model = LoRAModel(base)
-        """The base model with every weight matrix a LoRA adapts wrapped (``adapters.lora.targets``), its routed
-        experts split over the shards (``adapters.trainer.parallelize``)."""
+        """The base model with every weight matrix a LoRA adapts wrapped (``adapters.lora.targets``)."""
         experts = apply_expert_parallel(self.model, self.shards)
+        recompute = apply_activation_checkpointing(self.model, options.activation_checkpointing_tokens)
         self.facts = ModelFacts(
             vocab_size=text.vocab_size, max_context=text.max_context,
             arch=str((config.architectures or [config.model_type])[0]), device=str(self.device), node=ray_node(),
@@ -102,7 +105,7 @@ class MultiLoRATrainer:
         self.adapters = AdapterTable(self.model, self.device, options.max_adapters,
                                      self.shards.mine if self.shards.world > 1 else None)
         """The training runs, by ``model_id``."""
-        self.passes = ModelPasses(self.model, text.vocab_size, self.shards, options.activation_checkpointing_tokens)
+        self.passes = ModelPasses(self.model, text.vocab_size, self.shards, recompute)
         self.threads = PassThreads(threads, _largest_weight(self.passes.recompute.layers[0]),
                                    fixed=options.threads is not None or self.device.type != "cpu")
         """Torch threads per pass (``adapters.cpu_threads``): a pass too small to split runs on one."""

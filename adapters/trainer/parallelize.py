@@ -1,14 +1,20 @@
-"""How a sharded trainer's adapters are split over its shards, applied once to the plain LoRA model (as torchtitan's
-``parallelize`` functions are), so that the passes and the losses never ask whether they are sharded.
+"""How a trainer's model is made parallel: small functions over the plain model, applied once, in order, by the trainer
+(``MultiLoRATrainer``), as torchtitan's ``parallelize`` functions are, so that the passes and the losses never ask
+whether or how they are sharded.
+
+``apply_fsdp``: a sharded trainer's base weights are FSDP2's (loaded shard by shard: ``shards.load_base``; one shard
+of one gets transformers' plan here), each shard owning a copy of its rows, and the units outside the decoder layers
+kept gathered from a pass's forward through its backward.
 
 ``apply_expert_parallel``: every MoE layer's routed experts are split over the shards in contiguous shares; each
 shard keeps every adapter's LoRA pairs of its own experts only (so their gradients and optimizer state too), and the
 (token, expert) rows travel to their expert's shard and back by all-to-all (``adapters.lora.expert_parallel``). The
-experts' base weights are each shard's own rows of them, as FSDP2 loaded them, and never gathered; the rest of the
-base model stays FSDP2's (``adapters.trainer.shards.load_base``). An adapter's weights that are not an expert's stay
-whole on every shard, their optimizer state split (``AdapterTable``'s ``mine``).
-
+experts' base weights are each shard's own rows of them, as FSDP2 loaded them, and never gathered. An adapter's
+weights that are not an expert's stay whole on every shard, their optimizer state split (``AdapterTable``'s ``mine``).
 A split adapter is whole again only where it is written: ``whole_tensors`` gathers its experts' pairs on rank 0.
+
+``apply_activation_checkpointing``: decoder layers that recompute their activations in backward, for the passes that
+call for it (``adapters.trainer.recompute``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,110 @@ from torch import nn
 from adapters.lora.expert_parallel import ExpertShare
 from adapters.lora.experts import LoRAExperts
 from adapters.lora.model import LoRAModel, Pair
+from adapters.trainer.recompute import LayerRecompute
 from adapters.trainer.shards import Shards
+
+
+def apply_fsdp(base: nn.Module, shards: Shards) -> None:
+    """Make a sharded trainer's loaded base model (``shards.load_base``) ready for its passes; a plain trainer's is
+    left as it is."""
+    if not shards.sharded:
+        return
+    if shards.world > 1:
+        _own_copies(base)
+    else:
+        # transformers does not shard over one process; its plan is applied here, so one process runs the very code
+        # N shards run (how the sharded path is checked on a single GPU: bench.gpu_smoke).
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
+
+        base.config.distributed_config = DistributedConfig(fsdp_size=1)
+        apply_fully_sharded_data_parallelism(base, _OneMesh(init_device_mesh(shards.device.type, (1,))))
+        _tied_head_in_its_unit(base)
+    _gathered_through_backward(base)
+
+
+def apply_activation_checkpointing(model: LoRAModel, min_tokens: int | None) -> LayerRecompute:
+    """Decoder layers that keep only their input in passes that call for it and recompute the rest in backward:
+    passes of at least ``min_tokens`` tokens (0: never), or (None) those whose activations would not fit."""
+    return LayerRecompute(model.base, model.router, min_tokens)
+
+
+class _OneMesh:
+    """The one-process mesh, as transformers' FSDP plan asks for its meshes."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+
+    def get_mesh(self, name: str):
+        return self.mesh
+
+
+def _tied_head_in_its_unit(model: nn.Module) -> None:
+    """Keep a tied head tied once transformers' plan is applied to a loaded model: the plan puts the embedding (with
+    the final norm) in one unit, and the head, outside it, kept the weight it had, which the root unit then took as
+    a weight of its own (FSDP2 refuses that at the first pass). Sharded loading ties the weights again after the plan;
+    here the head shares the embedding unit's weight, as FSDP2 would have had it in that unit."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if not getattr(model, "all_tied_weights_keys", None) or head is None or embed is None:
+        return
+    root = model._get_fsdp_state()._fsdp_param_group
+    stray = [param for param in root.fsdp_params if param._module_info.module is head] if root else []
+    owner = next((param for group in _param_groups(embed) for param in group.fsdp_params
+                  if param._module_info.module is embed), None)
+    if not stray or owner is None:
+        return
+    root.fsdp_params = [param for param in root.fsdp_params if param not in stray]
+    owner._module_info.shared_modules.append(head)
+    owner._module_info.shared_param_names.append("weight")
+    head._parameters["weight"] = embed.weight
+
+
+def _param_groups(module: nn.Module) -> list:
+    """The FSDP2 parameter groups of the unit ``module`` belongs to (itself, or the unit it was grouped in)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return []
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [group] if group is not None else []
+
+
+def _gathered_through_backward(model: nn.Module) -> None:
+    """Keep the units outside the decoder layers (the final norm with the head, the embeddings), which transformers'
+    plan keeps gathered after the forward, gathered through the backward too, until ``Shards.settle``. FSDP2 would
+    free them once the head's backward is done and gather them again for the norm's; but a shard whose datums add
+    nothing to the loss (none at all, or only forward-only ones) runs no backward through the head, frees nothing and
+    gathers nothing, and its collectives would no longer pair with the others'."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = {id(layer) for layer in model.get_decoder().layers}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and id(module) not in layers:
+            module.set_reshard_after_backward(False, recurse=False)
+
+
+def _own_copies(model: nn.Module) -> None:
+    """Give every shard of a weight memory of its own. On the CPU, a weight read from a safetensors file is a view
+    into the file's memory map of the whole tensor: the shard reads only its rows, yet would keep the file mapped and
+    hold rows it never uses once the page cache has them (and a model file changed on disk would change the weights
+    in use). Each sharded weight is copied out, before FSDP2 first runs and adopts the module's weights."""
+    from torch.distributed.tensor import DTensor
+
+    copies: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            local = param.to_local()
+            if local.untyped_storage().nbytes() <= local.numel() * local.element_size():
+                continue
+            if id(param) not in copies:  # a weight two modules share (a tied head) stays shared
+                copy = DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                                          shape=param.shape, stride=param.stride())
+                copies[id(param)] = nn.Parameter(copy, requires_grad=param.requires_grad)
+            module._parameters[name] = copies[id(param)]
 
 
 class Collectives:

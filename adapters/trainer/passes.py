@@ -34,10 +34,10 @@ LOGIT_BYTES = 4
 class ModelPasses:
     """One base model's passes, for ``MultiLoRATrainer`` (and its ``MixedForward``)."""
 
-    def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute_tokens: int | None) -> None:
-        """``recompute_tokens``: passes that train over at least this many tokens checkpoint each decoder layer
-        (``adapters.trainer.recompute``; 0: never; None: those whose activations would not fit in memory).
-        ``shards``: the trainer's group (a plain trainer's: world 1)."""
+    def __init__(self, model: LoRAModel, vocab_size: int, shards: Shards, recompute: LayerRecompute) -> None:
+        """``recompute``: the model's layers that checkpoint their activations in the passes that call for it
+        (``adapters.trainer.parallelize.apply_activation_checkpointing``). ``shards``: the trainer's group (a plain
+        trainer's: world 1)."""
         self.model = model
         self.base = model.base
         """The base model, its LoRA modules routing rows by ``model.router``."""
@@ -45,7 +45,7 @@ class ModelPasses:
         self.vocab_size = vocab_size
         self.shards = shards
         self.device = shards.device
-        self.recompute = LayerRecompute(model.base, model.router, recompute_tokens)
+        self.recompute = recompute
         self.keeps_logits = True
         """Whether the pass being run keeps its short datums' logits for backward (``_admit``)."""
         self.packs = packs(model.base)

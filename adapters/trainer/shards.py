@@ -184,7 +184,7 @@ class Shards:
         """``run()`` as the forward of the sharded model's root module, so that FSDP2 prepares the pass in the root
         module's hooks: the trainer runs the embedding and the decoder itself (``adapters.trainer.passes``), not the
         model's own forward. The head is scored after, chunk by chunk, on weights FSDP2 keeps gathered from the
-        forward through the backward (``load_base``)."""
+        forward through the backward (``adapters.trainer.parallelize.apply_fsdp``)."""
         if not self.sharded:
             return run()
         model.forward = run  # an instance attribute, looked up by nn.Module.__call__ before the class's forward
@@ -195,7 +195,7 @@ class Shards:
 
     def settle(self, model: nn.Module) -> None:
         """End a pass: free every gathered weight (FSDP2 keeps the units outside the decoder layers gathered after a
-        forward, and ``load_base`` after a backward too) and FSDP2's records of the pass, which only a backward
+        forward, and ``apply_fsdp`` after a backward too) and FSDP2's records of the pass, which only a backward
         clears otherwise, so that scoring and forward-only batches leave nothing behind. Between passes each shard
         holds only its share."""
         if self.sharded:
@@ -220,109 +220,20 @@ def machine_id() -> str:
 
 
 def load_base(location: str, dtype: torch.dtype, shards: Shards) -> nn.Module:
-    """The base model in ``dtype`` on the shard's device. Sharded: built on the meta device and loaded by
-    transformers' own FSDP plan for it (the embeddings, each decoder layer, and the final norm with the head, each
-    one FSDP2 unit), each shard reading from the checkpoint only the rows it keeps."""
+    """The base model in ``dtype`` on the shard's device. A shard of N > 1 loads it sharded: built on the meta device,
+    transformers' own FSDP plan for it applied while loading (the embeddings, each decoder layer, and the final norm
+    with the head, each one FSDP2 unit), each shard reading from the checkpoint only the rows it keeps. The rest of
+    its parallelism is applied after (``adapters.trainer.parallelize``)."""
     from transformers import AutoModelForCausalLM
 
-    if not shards.sharded:
+    if shards.world == 1:
         return AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
     from transformers.distributed import DistributedConfig
 
-    if shards.world > 1:
-        # transformers puts the model on cuda:LOCAL_RANK; a shard's device index is its own (adapters.trainer.group).
-        os.environ["LOCAL_RANK"] = str(shards.device.index or 0)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype,
-                                                     distributed_config=DistributedConfig(fsdp_size=shards.world))
-        _own_copies(model)
-    else:
-        # transformers does not shard over one process; its plan is applied here, so one process runs the very code
-        # N shards run (how the sharded path is checked on a single GPU: bench.gpu_smoke).
-        from torch.distributed.device_mesh import init_device_mesh
-        from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
-
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype).to(shards.device)
-        model.config.distributed_config = DistributedConfig(fsdp_size=1)
-        apply_fully_sharded_data_parallelism(model, _OneMesh(init_device_mesh(shards.device.type, (1,))))
-        _tied_head_in_its_unit(model)
-    _gathered_through_backward(model)
-    return model
-
-
-class _OneMesh:
-    """The one-process mesh, as transformers' FSDP plan asks for its meshes."""
-
-    def __init__(self, mesh) -> None:
-        self.mesh = mesh
-
-    def get_mesh(self, name: str):
-        return self.mesh
-
-
-def _tied_head_in_its_unit(model: nn.Module) -> None:
-    """Keep a tied head tied once transformers' plan is applied to a loaded model: the plan puts the embedding (with
-    the final norm) in one unit, and the head, outside it, kept the weight it had, which the root unit then took as
-    a weight of its own (FSDP2 refuses that at the first pass). Sharded loading ties the weights again after the plan;
-    here the head shares the embedding unit's weight, as FSDP2 would have had it in that unit."""
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if not getattr(model, "all_tied_weights_keys", None) or head is None or embed is None:
-        return
-    root = model._get_fsdp_state()._fsdp_param_group
-    stray = [param for param in root.fsdp_params if param._module_info.module is head] if root else []
-    owner = next((param for group in _param_groups(embed) for param in group.fsdp_params
-                  if param._module_info.module is embed), None)
-    if not stray or owner is None:
-        return
-    root.fsdp_params = [param for param in root.fsdp_params if param not in stray]
-    owner._module_info.shared_modules.append(head)
-    owner._module_info.shared_param_names.append("weight")
-    head._parameters["weight"] = embed.weight
-
-
-def _param_groups(module: nn.Module) -> list:
-    """The FSDP2 parameter groups of the unit ``module`` belongs to (itself, or the unit it was grouped in)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(module, FSDPModule):
-        return []
-    group = module._get_fsdp_state()._fsdp_param_group
-    return [group] if group is not None else []
-
-
-def _gathered_through_backward(model: nn.Module) -> None:
-    """Keep the units outside the decoder layers (the final norm with the head, the embeddings), which transformers'
-    plan keeps gathered after the forward, gathered through the backward too, until ``Shards.settle``. FSDP2 would
-    free them once the head's backward is done and gather them again for the norm's; but a shard whose datums add
-    nothing to the loss (none at all, or only forward-only ones) runs no backward through the head, frees nothing and
-    gathers nothing, and its collectives would no longer pair with the others'."""
-    from torch.distributed.fsdp import FSDPModule
-
-    layers = {id(layer) for layer in model.get_decoder().layers}
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and id(module) not in layers:
-            module.set_reshard_after_backward(False, recurse=False)
-
-
-def _own_copies(model: nn.Module) -> None:
-    """Give every shard of a weight memory of its own. On the CPU, a weight read from a safetensors file is a view
-    into the file's memory map of the whole tensor: the shard reads only its rows, yet would keep the file mapped and
-    hold rows it never uses once the page cache has them (and a model file changed on disk would change the weights
-    in use). Each sharded weight is copied out, before FSDP2 first runs and adopts the module's weights."""
-    from torch.distributed.tensor import DTensor
-
-    copies: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if not isinstance(param, DTensor):
-                continue
-            local = param.to_local()
-            if local.untyped_storage().nbytes() <= local.numel() * local.element_size():
-                continue
-            if id(param) not in copies:  # a weight two modules share (a tied head) stays shared
-                copy = DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
-                                          shape=param.shape, stride=param.stride())
-                copies[id(param)] = nn.Parameter(copy, requires_grad=param.requires_grad)
-            module._parameters[name] = copies[id(param)]
+    # transformers puts the model on cuda:LOCAL_RANK; a shard's device index is its own (adapters.trainer.group).
+    os.environ["LOCAL_RANK"] = str(shards.device.index or 0)
+    return AutoModelForCausalLM.from_pretrained(location, dtype=dtype,
+                                                distributed_config=DistributedConfig(fsdp_size=shards.world))
 
 
 def resident_bytes(model: nn.Module) -> int:
