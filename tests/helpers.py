@@ -6,7 +6,9 @@ import hashlib
 import importlib.util
 import json
 import math
+import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -392,3 +394,33 @@ def upload(server, key: str, files: dict[str, bytes], lora: dict, **start_args) 
     finished = finish(server, key, answer.json()["upload_id"])
     finished.extensions["upload_id"] = answer.json()["upload_id"]
     return finished
+
+
+def spawned_shards(target: Callable, world: int, args: tuple, count: int, timeout_s: float) -> list:
+    """The first ``count`` items that ``target(rank, world, address, *args, results)`` puts in ``results`` (a queue)
+    from ``world`` spawned processes (the shards of one gloo group at ``address``); fails at once when a shard dies
+    (its traceback is in the captured output), after ``timeout_s``, and unless every shard exits 0."""
+    from tests.server import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    address = f"127.0.0.1:{free_port()}"
+    shards = [context.Process(target=target, args=(rank, world, address, *args, results)) for rank in range(world)]
+    for process in shards:
+        process.start()
+    found: list = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(found) < count:
+            try:
+                found.append(results.get(timeout=2))
+            except queue.Empty:
+                assert all(p.is_alive() for p in shards), [p.exitcode for p in shards]
+                assert time.monotonic() < deadline, f"the shards did not finish in {timeout_s:.0f} s"
+    finally:
+        for process in shards:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    assert all(process.exitcode == 0 for process in shards), [process.exitcode for process in shards]
+    return found

@@ -12,9 +12,7 @@ held) and between steps. The shards run as spawned processes over gloo, no Ray a
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
 import shutil
 import time
 from pathlib import Path
@@ -27,8 +25,8 @@ import torch
 from safetensors import safe_open
 
 from tests.conftest import SERVER_ARGS
-from tests.helpers import checkpoint_dir, crash_the_trainer, forward_logprobs, make_datum, train
-from tests.server import free_port, start_server
+from tests.helpers import checkpoint_dir, crash_the_trainer, forward_logprobs, make_datum, spawned_shards, train
+from tests.server import start_server
 
 KEY = "tml-test-experts"
 
@@ -116,29 +114,7 @@ def _shard(rank: int, world: int, address: str, directory: str, index: int, load
 
 def sharded(world: int, directory: str, index: int, load: str | None, save: str) -> tuple[str, dict]:
     """``stage`` on ``world`` spawned shards: what rank 0 holds of the experts, in words, and its outcome."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    address = f"127.0.0.1:{free_port()}"
-    shards = [context.Process(target=_shard, args=(rank, world, address, directory, index, load, save, results))
-              for rank in range(world)]
-    for process in shards:
-        process.start()
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            try:
-                found = results.get(timeout=2)
-                break
-            except queue.Empty:  # a shard that died (its traceback is in the captured output) fails this at once
-                assert all(p.is_alive() for p in shards), [p.exitcode for p in shards]
-                assert time.monotonic() < deadline, "the shards did not finish in 5 minutes"
-    finally:
-        for process in shards:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-    assert all(process.exitcode == 0 for process in shards), [process.exitcode for process in shards]
-    return found
+    return spawned_shards(_shard, world, (directory, index, load, save), 1, 300)[0]
 
 
 def assert_same(split: dict, plain: dict) -> None:

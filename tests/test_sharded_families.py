@@ -9,11 +9,8 @@ vision-language checkpoint, where a sharded weight or a shard's share of a batch
 
 from __future__ import annotations
 
-import multiprocessing
 import operator
 import os
-import queue
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +18,7 @@ import pytest
 
 from adapters.trainer.options import TrainerOptions
 from tests.families import FAMILIES, family_dir
-from tests.server import free_port
+from tests.helpers import spawned_shards
 
 SHARDED = ("llama3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl", "nemotron_h")
 """Tied and untied heads, experts of every layout, MLA, Gated DeltaNet with a vision tower, Mamba-2 (qwen3 and the
@@ -184,31 +181,8 @@ def edge_checkpoint(model_cache, tmp_path_factory) -> str:
 def sharded_runs(model_cache, edge_checkpoint) -> dict[str, tuple]:
     """The scripts on two shards, for every family of ``SHARDED``, in two spawned processes."""
     directories = [str(family_dir(name)) for name in SHARDED]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    address = f"127.0.0.1:{free_port()}"
-    shards = [context.Process(target=_shard, args=(rank, 2, address, directories, edge_checkpoint, results))
-              for rank in range(2)]
-    for process in shards:
-        process.start()
-    found = {}
-    deadline = time.monotonic() + 600
-    try:
-        while len(found) < len(directories) + 2:
-            try:
-                directory, outcome = results.get(timeout=2)
-            except queue.Empty:  # a shard that died (its traceback is in the captured output) fails this at once
-                assert all(p.is_alive() for p in shards), [p.exitcode for p in shards]
-                assert time.monotonic() < deadline, "the shards did not finish in 10 minutes"
-                continue
-            found[Path(directory).name] = outcome
-    finally:
-        for process in shards:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-    assert all(process.exitcode == 0 for process in shards), [process.exitcode for process in shards]
-    return found
+    found = spawned_shards(_shard, 2, (directories, edge_checkpoint), len(directories) + 2, 600)
+    return {Path(directory).name: outcome for directory, outcome in found}
 
 
 @pytest.mark.parametrize("family", SHARDED)

@@ -218,8 +218,8 @@ class MultiLoRATrainer:
                 self.adapters.discard(probe)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
-    # Every shard holds the same adapters: rank 0 alone writes them (``on_rank_zero`` in ``Trainer``); a training
-    # checkpoint's optimizer state, split over the shards, is gathered by every shard's ``save_state`` together.
+    # Every shard takes part in a save: what is split over them (a MoE adapter's experts, a training checkpoint's
+    # optimizer state) is gathered on rank 0, which writes the files (``adapters.trainer.files``).
     def save_for_sampler(self, model_id: str, directory: str) -> None:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
         self.files.save_for_sampler(model_id, directory)

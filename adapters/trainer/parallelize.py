@@ -51,8 +51,15 @@ def apply_fsdp(base: nn.Module, shards: Shards) -> None:
 
 def apply_activation_checkpointing(model: LoRAModel, min_tokens: int | None) -> LayerRecompute:
     """Decoder layers that keep only their input in passes that call for it and recompute the rest in backward:
-    passes of at least ``min_tokens`` tokens (0: never), or (None) those whose activations would not fit."""
-    return LayerRecompute(model.base, model.router, min_tokens)
+    passes of at least ``min_tokens`` tokens (0: never), or (None) those whose activations would not fit. After
+    ``apply_expert_parallel``: a layer whose experts are split recomputes to its end, so that its all-to-alls run
+    again on every shard alike."""
+    return LayerRecompute(model.base, model.router, min_tokens, whole_layers=experts_split(model))
+
+
+def experts_split(model: LoRAModel) -> bool:
+    """Whether the model's routed experts are split over processes (``apply_expert_parallel``)."""
+    return any(isinstance(module, LoRAExperts) and module.share is not None for module in model.modules.values())
 
 
 class _OneMesh:
@@ -80,6 +87,7 @@ def _tied_head_in_its_unit(model: nn.Module) -> None:
     if not stray or owner is None:
         return
     root.fsdp_params = [param for param in root.fsdp_params if param not in stray]
+    _forget(stray)
     owner._module_info.shared_modules.append(head)
     owner._module_info.shared_param_names.append("weight")
     head._parameters["weight"] = embed.weight
@@ -198,7 +206,15 @@ def _base_experts_local(base: nn.Module, shares: dict[int, ExpertShare]) -> None
                 raise RuntimeError(f"FSDP2 holds {local.shape[0]} rows of {name} on this shard, where its share of "
                                    f"the experts is {share.count}")
             owner._parameters[name] = nn.Parameter(local.clone(), requires_grad=False)
+        _forget([param for param in group.fsdp_params if param not in kept])
         group.fsdp_params = kept
+
+
+def _forget(params: list) -> None:
+    """Let FSDP2 drop parameters taken out of its groups: each one's load hook on its module would keep it alive, with
+    its storage (at world size 1 a whole copy of the weight)."""
+    for param in params:
+        param._post_load_hook_handle.remove()
 
 
 def whole_tensors(model: LoRAModel, name: str, shards: Shards) -> dict[str, Pair] | None:

@@ -6,6 +6,8 @@ builds the training passes on these."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -13,6 +15,7 @@ from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
 from adapters.trainer.memory import DoesNotFit
 from adapters.trainer.packing import Packing, buckets, packs, use_packed_attention
+from adapters.trainer.parallelize import experts_split
 from adapters.trainer.recompute import LayerRecompute
 from adapters.trainer.shards import Shards
 from shims.tinker.training_wire import DatumArrays
@@ -46,6 +49,8 @@ class ModelPasses:
         self.shards = shards
         self.device = shards.device
         self.recompute = recompute
+        self.experts_split = experts_split(model)
+        """Whether each shard computes its experts' rows of every shard's tokens (``_expert_share``)."""
         self.keeps_logits = True
         """Whether the pass being run keeps its short datums' logits for backward (``_admit``)."""
         self.packs = packs(model.base)
@@ -101,6 +106,8 @@ class ModelPasses:
         self.keeps_logits = True
         if not torch.is_grad_enabled():
             return False
+        if self.experts_split:
+            tokens = self._expert_share(tokens)
         if budget is None:
             return self.recompute.checkpoints(tokens)
         free = budget.free()
@@ -114,6 +121,15 @@ class ModelPasses:
         reasons = [f"{reason} (trainer shard {rank})" if self.shards.sharded else reason
                    for rank, reason in enumerate(self.shards.everywhere(shortfall)) if reason]
         raise DoesNotFit(reasons[0])
+
+    def _expert_share(self, tokens: int) -> int:
+        """The tokens a shard's pass is budgeted for when the experts are split over the shards: its own, or its even
+        share of the batch's, if more. Each shard computes the (token, expert) rows of every shard's tokens routed to
+        its experts, so a shard with a short part of the batch (or none: one long datum on another shard) still
+        holds the MoE activations of its share of it. A share beyond even (routing that favours one shard's experts)
+        is not foreseen."""
+        total = self.shards.sum(torch.tensor([float(tokens)], dtype=torch.float64, device=self.device))
+        return max(tokens, math.ceil(float(total.item()) / self.shards.world))
 
     def _packed(self, data: list[DatumArrays], names: list[str | None], probes: list[torch.Tensor],
                 checkpointed: bool) -> torch.Tensor:

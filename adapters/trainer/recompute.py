@@ -29,8 +29,12 @@ from adapters.trainer.memory import ActivationBudget
 class LayerRecompute:
     """Switches activation checkpointing of one model's decoder layers on for the passes that call for it."""
 
-    def __init__(self, base: nn.Module, router: Router, min_tokens: int | None) -> None:
+    def __init__(self, base: nn.Module, router: Router, min_tokens: int | None, whole_layers: bool) -> None:
+        """``whole_layers``: a layer is recomputed to its end, never stopped once the tensors backward needs are back
+        (torch's early stop): for layers whose collectives must all run again on every shard alike (expert
+        parallelism's all-to-alls)."""
         self.router = router
+        self.whole_layers = whole_layers
         self.min_tokens = min_tokens
         """Passes of at least this many tokens checkpoint (0: none); None: those whose activations do not fit
         ``budget``."""
@@ -65,9 +69,7 @@ class LayerRecompute:
                 with self.router.restored(routing):
                     return forward(*a, **k)
 
-            # Recomputed to the layer's end, never stopped once the tensors backward needs are back: a layer's
-            # collectives (expert parallelism's all-to-alls) must all run again on every shard alike.
-            with set_checkpoint_early_stop(False):
+            with set_checkpoint_early_stop(not self.whole_layers):
                 return checkpoint(again, *args, use_reentrant=False, **kwargs)
 
         return run

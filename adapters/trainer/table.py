@@ -50,9 +50,9 @@ class AdapterTable(Mapping[str, Adapter]):
 
     def __init__(self, model: LoRAModel, device: torch.device, max_adapters: int,
                  mine: Callable[[list[int], int], list[int]] | None = None) -> None:
-        """``mine``: given the sizes of a run's parameters and a number that differs from run to run, the indices of
-        those this process steps (a shard of a sharded trainer: its share, balanced by size, ``Shards.mine``, the
-        shard that takes the largest turning with each run); None: all."""
+        """``mine``: given the sizes of a run's parameters and a number that differs from run to run (the same on every
+        shard), the indices of those this process steps (a shard of a sharded trainer: its share, balanced by size,
+        ``Shards.mine``, the shard that takes the largest turning with each run); None: all."""
         self.model = model
         """The base model with its LoRA modules; each adapter is on the weight groups its spec names."""
         self.device = device
@@ -133,8 +133,10 @@ class AdapterTable(Mapping[str, Adapter]):
         owned = None
         if self.mine is not None:  # the experts' share a shard holds is its own; the rest is split by size
             whole = [i for i in range(len(params)) if i not in held]
+            # The shard that takes the largest turns with the runs held (the same on every shard: a counter of
+            # adapters built is not, once a checkpoint one shard could not read was built on the others).
             owned = sorted([*held, *(whole[i] for i in self.mine([params[i].numel() for i in whole],
-                                                                  self._counter))])
+                                                                  len(self._runs)))])
         # An optimizer takes at least one parameter: a shard that steps none of a run's holds an empty placeholder.
         stepped = params if owned is None else [params[i] for i in owned] or [nn.Parameter(params[0].new_zeros(0))]
         if spec.optimizer == "dimuon":
