@@ -366,9 +366,10 @@ def _gate_up_grads(key: str, grads: dict, peft_pair) -> tuple[torch.Tensor, torc
 
 def server_phase(directory: Path, data: list[DatumArrays], args, shards: int) -> tuple[float, list[dict]]:
     """Seconds per SDK ``forward_backward`` + ``optim_step`` round trip against the server (median), started with
-    its default flags and ``--trainer-shards shards``; and per trainer process, after the steps, what it holds: its
-    resident memory and peak (``VmRSS`` / ``VmHWM``), the bytes of the run's adapter state and of base weights in it
-    (``/api/v1/metrics``, read inside the process)."""
+    its default flags and ``--trainer-shards shards``; and per trainer process, after the steps and a second run
+    trained the same way, what it holds: its resident memory and peak (``VmRSS`` / ``VmHWM``), what the second run
+    added to it, and the bytes of the runs' adapter state and of base weights in it (``/api/v1/metrics``, read inside
+    the process)."""
     import httpx
     import tinker
     from tinker import types
@@ -382,22 +383,34 @@ def server_phase(directory: Path, data: list[DatumArrays], args, shards: int) ->
     flags = ("--trainer-shards", str(shards)) if shards > 1 else ()
     server = start_server(Path(tempfile.mkdtemp(prefix="bench-moe-server-")), "--base-model", str(directory),
                           *flags, *args.server_arg, timeout=900)
+    def trainer() -> list[dict]:
+        time.sleep(3)  # the pool reads what each process holds every 2 s
+        return httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": server.admin_key}).json()[
+            "training"][str(directory)]["shards"]
+
+    def rss() -> dict[int, int]:
+        return {shard["pid"]: _status_kib(shard["pid"], "VmRSS") for shard in trainer()}
+
     try:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
         client = service.create_lora_training_client(base_model=str(directory), rank=args.rank, seed=0).result()
 
-        def step() -> None:
+        def step(client=client) -> None:
             client.forward_backward(sdk_data, "cross_entropy").result()
             client.optim_step(adam).result()
 
         seconds = _timed(args.server_steps, step)
-        time.sleep(3)  # the pool reads what each process holds every 2 s
-        trainer = httpx.get(f"{server.base_url}/api/v1/metrics", headers={"X-API-Key": server.admin_key}).json()[
-            "training"][str(directory)]
+        # What one more run costs each process: a second run trained the same way, once the passes' memory is
+        # there (the allocator keeps it, whatever the runs).
+        before = rss()
+        second = service.create_lora_training_client(base_model=str(directory), rank=args.rank, seed=1).result()
+        for _ in range(2):
+            step(second)
         held = [{"rank": shard["rank"], "adapter_state_mib": shard["adapter_bytes"] / 2**20,
                  "base_weights_mib": shard["base_bytes"] / 2**20,
                  "rss_mib": _status_kib(shard["pid"], "VmRSS") / 1024,
-                 "peak_rss_mib": _status_kib(shard["pid"], "VmHWM") / 1024} for shard in trainer["shards"]]
+                 "rss_per_run_mib": (_status_kib(shard["pid"], "VmRSS") - before[shard["pid"]]) / 1024,
+                 "peak_rss_mib": _status_kib(shard["pid"], "VmHWM") / 1024} for shard in trainer()]
         service.close("success")
         return seconds, held
     finally:

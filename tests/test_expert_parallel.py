@@ -3,12 +3,12 @@ with many experts, as the families hosted Tinker trains have them (Qwen3-30B-A3B
 widths): each shard holds its share of every MoE layer's experts — base weights, LoRA pairs, their gradients and
 optimizer state — and computes the (token, expert) rows routed to them.
 
-A training run crosses shard counts through its checkpoints, 1 → 4 → 2 → 1 (one sharded process), training a mixed batch on each beside a
-second run; every output, metric and the final checkpoint (weights and optimizer state) equal the single trainer
-doing the same steps (1e-5). And what a run holds per shard (the metric ``/api/v1/metrics`` reports:
-``AdapterTable.state_bytes``) is at most 0.6× what the single trainer holds for it, at a step's peak (gradients
-held) and between steps. The shards run as spawned processes over gloo, no Ray and no server
-(``tests/test_sharded_trainer.py`` runs shards through both)."""
+A training run crosses shard counts through its checkpoints, 1 → 4 → 2 → 1 (one sharded process), training a mixed
+batch on each beside two other runs (one with a custom loss); every output, metric and the final checkpoint (weights
+and optimizer state) equal the single trainer doing the same steps (1e-5). And what a run holds per shard (the metric
+``/api/v1/metrics`` reports: ``AdapterTable.state_bytes``) is at most 0.6× what the single trainer holds for it, at a
+step's peak (gradients held) and between steps. These shards run as spawned processes over gloo, no Ray and no
+server; the last tests run a server with its trainer on 2 shards, through the SDK."""
 
 from __future__ import annotations
 
@@ -66,12 +66,13 @@ def moe_server(moe_dir, tmp_path_factory):
 
 
 def stage(trainer, index: int, load: str | None, save: str) -> dict:
-    """Run "a" (rank 16, every weight group; from checkpoint ``load`` with its optimizer, else fresh) and a fresh
-    run "b" (rank 8, attention and experts) train one mixed batch (cross-entropy and importance sampling, datums of
-    varied lengths) and step; "a" is saved to ``save``. Returns the outcomes and run "a"'s adapter bytes on every
+    """Run "a" (rank 16, every weight group; from checkpoint ``load`` with its optimizer, else fresh) and fresh runs
+    "b" (rank 8, attention and experts) and "c" (rank 4, experts and head) train one mixed batch (cross-entropy,
+    importance sampling and a custom loss, datums of varied lengths) and step; "a" is saved to ``save``. Returns the outcomes and run "a"'s adapter bytes on every
     shard, at the step's peak and after it."""
     from adapters.trainer.interface import AdamHyper, LoraSpec, OptimRequest, StepRequest
     from tests.test_lora_exact import _datum
+    from tests.test_trainer_custom_loss import compiled, datum, weighted
 
     rng = np.random.default_rng(index)
     if load is None:
@@ -79,19 +80,22 @@ def stage(trainer, index: int, load: str | None, save: str) -> dict:
     else:
         trainer.load_state("a", load, with_optimizer=True)
     trainer.create("b", LoraSpec(rank=8, seed=2 + index, train_unembed=False))
+    trainer.create("c", LoraSpec(rank=4, seed=5 + index, train_attn=False))
     requests = [StepRequest("a", [_datum(rng, int(n), "cross_entropy") for n in rng.integers(5, 60, 3)],
                             "cross_entropy", {}, False),
                 StepRequest("b", [_datum(rng, int(n), "importance_sampling") for n in rng.integers(5, 60, 2)],
-                            "importance_sampling", {}, False)]
+                            "importance_sampling", {}, False),
+                StepRequest("c", [datum(rng, int(n), 0.5) for n in rng.integers(5, 40, 2)], "custom", {}, False,
+                            custom_loss=compiled(weighted))]
     outcomes = trainer.forward_backward_batch(requests)
     peak = trainer.adapters.state_bytes("a")
     # At LoRA's usual learning rates: Adam's step divides by the gradient's own scale, so at 1e-2 an element whose
     # gradient is ~0 moves by rounding alone (1.4e-5 between 4 shards and 1, once in 400 tensors).
-    stepped = trainer.optim_steps([OptimRequest(m, AdamHyper(learning_rate=1e-3)) for m in ("a", "b")])
+    stepped = trainer.optim_steps([OptimRequest(m, AdamHyper(learning_rate=1e-3)) for m in ("a", "b", "c")])
     after = trainer.adapters.state_bytes("a")
     trainer.save_state("a", save)
-    trainer.unload("a")
-    trainer.unload("b")
+    for model_id in ("a", "b", "c"):
+        trainer.unload(model_id)
     return {"outcomes": outcomes, "stepped": stepped, "bytes": trainer.shards.everywhere((peak, after))}
 
 
