@@ -121,6 +121,49 @@ def sharded(world: int, directory: str, index: int, load: str | None, save: str)
     return spawned_shards(_shard, world, (directory, index, load, save), 1, 300)[0]
 
 
+def _failing_gather(rank: int, world: int, address: str, directory: str, out: str, results) -> None:
+    """A save whose gather fails on rank 0 after the exchange (as unpacking every shard's part may, out of memory):
+    every shard's call fails alike, and the group trains on."""
+    from adapters.trainer.actor import MultiLoRATrainer
+    from adapters.trainer.interface import LoraSpec, ShardSpec, StepRequest
+    from tests.test_lora_exact import _datum
+
+    torch.set_num_threads(1)
+    trainer = MultiLoRATrainer(directory, shard=ShardSpec(rank, world, address))
+    trainer.create("a", LoraSpec(rank=4, seed=1))
+    if rank == 0:
+        gather = trainer.shards.gather
+
+        def unpacked_out_of_memory(value):
+            gather(value)
+            raise MemoryError("unpacking the shards' parts")
+
+        trainer.shards.gather = unpacked_out_of_memory
+    outcomes = []
+    for save in (trainer.save_for_sampler, trainer.save_state):
+        try:
+            save("a", out)
+            outcomes.append(None)
+        except Exception as exc:  # noqa: BLE001 - the outcome compared
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    vars(trainer.shards).pop("gather", None)  # the pass's own gather (its answers on rank 0) as it is
+    step = trainer.forward_backward_batch([StepRequest("a", [_datum(np.random.default_rng(0), 9, "cross_entropy")],
+                                                       "cross_entropy", {}, False)])[0]
+    results.put((rank, outcomes, float(step.metrics["loss:sum"]) if rank == 0 else None))  # rank 0 answers
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_save_whose_gather_fails_on_rank_0_fails_on_every_shard_and_the_group_goes_on(moe_dir, tmp_path):
+    found = sorted(spawned_shards(_failing_gather, 2, (moe_dir, str(tmp_path / "never")), 2, 300))
+    for _, outcomes, _ in found:
+        assert outcomes == ["RuntimeError: unpacking the shards' parts"] * 2, outcomes
+    assert np.isfinite(found[0][2])
+    assert not (tmp_path / "never").exists()
+
+
 def assert_same(split: dict, plain: dict) -> None:
     for got, want in zip(split["outcomes"], plain["outcomes"], strict=True):
         assert got.metrics == pytest.approx(want.metrics, rel=1e-5, abs=1e-6)

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -24,6 +25,8 @@ from adapters.trainer.parallelize import whole_tensors
 from adapters.trainer.shards import Shards
 from adapters.trainer.table import Adapter, AdapterTable
 from shims.errors import UserError
+
+T = TypeVar("T")
 
 
 class CheckpointFiles:
@@ -49,8 +52,8 @@ class CheckpointFiles:
 
     def _write_adapter(self, model_id: str, out: Path, export: bool) -> None:
         adapter = self.table.get_run(model_id)
-        tensors = whole_tensors(self.table.model, adapter.name, self.shards)
-        self._on_rank_zero(lambda: self._write(out, tensors, adapter.spec.rank, adapter.scaling, export))
+        tensors = _kept(lambda: whole_tensors(self.table.model, adapter.name, self.shards))
+        self._on_rank_zero(lambda: self._write(out, tensors(), adapter.spec.rank, adapter.scaling, export))
 
     def _on_rank_zero(self, write: Callable[[], None]) -> None:
         """``write()`` on rank 0, which writes the group's files; on a sharded trainer its outcome is told to every
@@ -149,14 +152,14 @@ class CheckpointFiles:
         """Write the adapter, its optimizer state and step, so training can resume exactly. Sharded, every shard
         calls this together: rank 0 gathers the adapter's experts and the optimizer state's parts, and writes."""
         adapter = self.table.get_run(model_id)
-        optimizer = optimizer_state.whole(adapter, self.shards)
-        tensors = whole_tensors(self.table.model, adapter.name, self.shards)
+        optimizer = _kept(lambda: optimizer_state.whole(adapter, self.shards))
+        tensors = _kept(lambda: whole_tensors(self.table.model, adapter.name, self.shards))
         out = Path(directory)
 
         def write() -> None:
-            self._write(out, tensors, adapter.spec.rank, adapter.scaling, export=False)
+            self._write(out, tensors(), adapter.spec.rank, adapter.scaling, export=False)
             with writing(out):
-                torch.save(optimizer, out / OPTIMIZER_STATE)
+                torch.save(optimizer(), out / OPTIMIZER_STATE)
                 (out / TRAINER_STATE).write_text(json.dumps({"step": adapter.step, "lora": asdict(adapter.spec)}))
 
         self._on_rank_zero(write)
@@ -199,3 +202,19 @@ class CheckpointFiles:
             self.table.discard(staged)
             raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
         return staged
+
+
+def _kept(gather: Callable[[], T]) -> Callable[[], T]:
+    """``gather()`` (a collective every shard takes part in), its value or its failure kept for the write: rank 0
+    unpacks every shard's part after the exchange, and a failure there (out of memory) must fail the call on every
+    shard, told by ``_on_rank_zero``, not leave the others waiting for rank 0 in the next collective."""
+    try:
+        value = gather()
+    except Exception as exc:  # noqa: BLE001 - raised by the write, on rank 0, and told to every shard
+        failure = exc
+
+        def failed() -> T:
+            raise failure
+
+        return failed
+    return lambda: value
