@@ -71,6 +71,8 @@ def dispatched(module: LoRAExperts, share: ExpertShare, hidden: torch.Tensor, to
                top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output for this process's tokens (``LoRAExperts.forward``), each (token, expert) row computed
     where its expert is."""
+    from adapters.lora.experts import combined  # the module that calls this one: its import would be circular
+
     world, per = share.exchange.world, share.per
     tokens, top_k = top_k_index.shape
     names = list(module.lora.pairs)
@@ -107,7 +109,4 @@ def dispatched(module: LoRAExperts, share: ExpertShare, hidden: torch.Tensor, to
     # No row here: the empty rows themselves go back, so backward still passes through both exchanges.
     computed = torch.cat(outputs) if outputs else rows
     back = torch.empty_like(computed).index_copy(0, regroup, computed)
-    returned = share.exchange.rows(back, receive, send)
-    weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
-    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+    return combined(share.exchange.rows(back, receive, send), order, top_k_weights, hidden.dtype)

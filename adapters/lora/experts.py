@@ -45,6 +45,15 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return torch.cat(parts) if parts else x.new_zeros((0, weight.shape[-1]))
 
 
+def combined(rows: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's output: its (token, expert) rows' outputs (``rows``, in the sorted ``order`` of the flattened
+    ``top_k_weights``), weighted by their routing weights and summed, in ``dtype``."""
+    tokens, top_k = top_k_weights.shape
+    weighted = rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
+    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(dtype)
+
+
 class LoRAExperts(nn.Module):
     """A frozen transformers experts module plus any number of named LoRA adapters on its experts."""
 
@@ -90,13 +99,10 @@ class LoRAExperts(nn.Module):
         """The experts' output for ``hidden`` (tokens × features) through adapter ``name`` (None: the base experts,
         computed the same way, so that an adapter whose B is zero gives exactly the base output; and on any shapes,
         where transformers' own grouped path needs aligned ones)."""
-        tokens, top_k = top_k_index.shape
+        top_k = top_k_index.shape[1]
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
         counts = torch.bincount(expert_ids, minlength=self.experts)
-        out = self.compute(hidden[order // top_k], counts, name)
-        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-        unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
-        return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+        return combined(self.compute(hidden[order // top_k], counts, name), order, top_k_weights, hidden.dtype)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, name: str | None) -> torch.Tensor:
         """Each row of ``x`` through its expert, unweighted: the rows sorted by expert, ``counts[e]`` of them for the

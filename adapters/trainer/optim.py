@@ -132,12 +132,11 @@ class Optimizers:
                                                  torch.tensor(grad_norm, device=trained[0].device))
         return adapter, grad_norm
 
-
     def _norm(self, adapter: Adapter) -> float:
         """The norm of the run's whole gradient: on a sharded trainer whose experts are split (``Adapter.held``),
         of every shard's experts' gradients too (a collective: every shard asks for the same runs in turn)."""
-        grads = [p.grad for p in adapter.params if p.grad is not None]
         if not adapter.held:
+            grads = [p.grad for p in adapter.params if p.grad is not None]
             return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         whole = [adapter.params[i].grad for i in adapter.whole() if adapter.params[i].grad is not None]
         held = [adapter.params[i].grad for i in adapter.held if adapter.params[i].grad is not None]
