@@ -13,6 +13,7 @@ import torch
 
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
+from adapters.trainer.logprobs import target_logprobs
 from adapters.trainer.memory import DoesNotFit
 from adapters.trainer.packing import Packing, buckets, packs, use_packed_attention
 from adapters.trainer.parallelize import experts_split
@@ -267,7 +268,7 @@ class ModelPasses:
 
     def _score(self, hidden: torch.Tensor, targets: torch.Tensor, name: str | None) -> torch.Tensor:
         """Logprobs of ``targets`` (``[positions, k]``) after ``hidden`` through ``name``'s head, in float32."""
-        return torch.log_softmax(self.head.with_adapter(hidden, name).float(), dim=-1).gather(1, targets)
+        return target_logprobs(self.head.with_adapter(hidden, name).float(), targets)
 
 
 def _padded(data: list[DatumArrays], groups: list[list[int]]) -> int:
