@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from adapters.actors import ray_node
+from adapters.cpu_memory import keep_freed
 from adapters.cpu_threads import PassThreads, set_torch_threads
 from adapters.lora.model import LoRAModel
 from adapters.models.resolve import is_vision_language, text_settings
@@ -81,6 +82,8 @@ class MultiLoRATrainer:
         from transformers import AutoConfig
 
         self.device = local_device()
+        if self.device.type == "cpu":
+            keep_freed()  # the passes' large tensors reuse memory rather than fault it in again (adapters.cpu_memory)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         config = AutoConfig.from_pretrained(location)
         text = text_settings(config)  # a vision-language checkpoint trains and serves as its text model

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from adapters.cpu_memory import heap_free_bytes
 from shims.errors import UserError
 
 KEEP_SHARE = 1 / 3
@@ -34,13 +35,14 @@ further token keeps, whatever the passes keep that does not grow with the tokens
 
 def available_bytes(device: torch.device) -> int:
     """Memory a pass on ``device`` may still allocate: a GPU's free memory plus what torch's allocator holds unused;
-    on the CPU what the system calls available, within this process's cgroup limit (``docker run --memory``)."""
+    on the CPU what the system calls available, within this process's cgroup limit (``docker run --memory``), plus
+    what this process's allocator holds free (``adapters.cpu_memory``: a CPU trainer keeps what its passes free)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     available = psutil.virtual_memory().available
     left = cgroup_memory_left()
-    return int(available if left is None else min(available, left))
+    return int(available if left is None else min(available, left)) + heap_free_bytes()
 
 
 def cgroup_memory_left(root: Path = Path("/sys/fs/cgroup")) -> int | None:
