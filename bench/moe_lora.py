@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from adapters.trainer.actor import LORA_ALPHA, AdamHyper, LoraSpec, MultiLoRATrainer, StepRequest
+from adapters.trainer.options import TrainerOptions
 from bench.common import device_name, mfu, write
 from shims.tinker.training_wire import DatumArrays
 
@@ -80,8 +81,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up (median reported)")
     parser.add_argument("--server-steps", type=int, default=3, help="timed SDK round trips (median reported)")
     parser.add_argument("--threads", type=int,
-                        help="torch CPU threads of this process's two measurements (default: torch's choice); the "
-                             "server's trainer gets Ray's default, one thread per reserved CPU (--trainer-cpus 1)")
+                        help="torch CPU threads of every measurement, the server's trainer included (it then runs "
+                             "with --trainer-threads N); default: torch's choice here, the server's own there (both "
+                             "this machine's CPUs)")
     parser.add_argument("--no-server", action="store_true", help="skip the measurements through the server")
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2],
                         help="measure through the server with each of these --trainer-shards (default: 1 2)")
@@ -94,6 +96,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.threads_given = args.threads is not None
+    args.threads = torch.get_num_threads()  # both in-process measurements compute with these (the trainer sets its own)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device: {device_name()}")
     directory = build_model(args.shape, args.layers)
@@ -111,6 +115,7 @@ def main() -> None:
     ours = trainer_phase(directory, data, args, adapter)
     _free()  # each phase's model goes with its function's frame: one model in memory at a time
     record("this trainer, in-process", ours["seconds"], {"peak_gb": ours["peak_gb"]})
+    torch.set_num_threads(args.threads)
     peft = peft_phase(directory, data, args, adapter, device)
     _free()
     record("plain PEFT (target_parameters)", peft["seconds"], {"peak_gb": peft["peak_gb"]})
@@ -211,7 +216,8 @@ def adapter_tensors(directory: Path, rank: int) -> dict[str, tuple[torch.Tensor,
 # ---- the three measurements ------------------------------------------------------------------------------------------
 def trainer_phase(directory: Path, data: list[DatumArrays], args, adapter: dict) -> dict:
     """The first step from ``adapter`` (loss and gradients kept for the check), then the timed steps."""
-    trainer = MultiLoRATrainer(str(directory))
+    # The trainer sets its own torch threads (this machine's CPUs unless told): --threads holds for it too.
+    trainer = MultiLoRATrainer(str(directory), TrainerOptions(threads=args.threads))
     trainer.create("bench", LoraSpec(rank=args.rank, seed=0))
     model, name = trainer.model, trainer.adapters["bench"].name
     slots = [slot.key for module in model.modules.values() if name in module.lora
@@ -381,6 +387,8 @@ def server_phase(directory: Path, data: list[DatumArrays], args, shards: int) ->
         "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs["weights"]}) for d in data]
     adam = types.AdamParams(learning_rate=LEARNING_RATE)
     flags = ("--trainer-shards", str(shards)) if shards > 1 else ()
+    if args.threads_given:  # the server computes with the threads PEFT had (its default: this machine's CPUs)
+        flags += ("--trainer-threads", str(args.threads))
     server = start_server(Path(tempfile.mkdtemp(prefix="bench-moe-server-")), "--base-model", str(directory),
                           *flags, *args.server_arg, timeout=900)
     def trainer() -> list[dict]:
