@@ -39,6 +39,20 @@ def on_rank_zero(method: F) -> F:
     return method
 
 
+BY_REFERENCE = "by_reference"
+"""The attribute ``by_reference`` sets on a Protocol method."""
+
+
+def by_reference(method: F) -> F:
+    """Marks a Protocol method that returns ``(receipt, value)`` where the value is large and goes on elsewhere
+    unread (an adapter's weights, from the trainer to the samplers): the caller gets the receipt (something small:
+    the value's size) and a Ray reference to the value, which stays in Ray's object store where the actor put it,
+    owned by the caller's process (it outlives the actor), never copied into the caller. The call's error, if any, is
+    the receipt's."""
+    setattr(method, BY_REFERENCE, True)
+    return method
+
+
 @dataclass(frozen=True)
 class Method:
     """One method of a component's Protocol, as a call to an actor carries it."""
@@ -51,12 +65,19 @@ class Method:
     streams: bool
     """Its items come back one by one as the actor yields them (Ray's ``num_returns="streaming"``)."""
     rank_zero: bool
+    by_reference: bool = False
+    """Its value comes back as a reference, its receipt apart (``by_reference``)."""
 
     def submit(self, handle: Any, args: tuple, kwargs: dict) -> Any:
         """Start this call on the actor behind the Ray ``handle``: an ``ObjectRef`` (an ``ObjectRefGenerator`` for a
-        streaming method). The one place a Protocol method becomes the actor method Ray dispatches by its name."""
+        streaming method; the receipt's and the value's for one ``by_reference``). The one place a Protocol method
+        becomes the actor method Ray dispatches by its name."""
         remote = getattr(handle, self.name)
-        return (remote.options(num_returns="streaming") if self.streams else remote).remote(*args, **kwargs)
+        if self.streams:
+            remote = remote.options(num_returns="streaming")
+        elif self.by_reference:
+            remote = remote.options(num_returns=2)
+        return remote.remote(*args, **kwargs)
 
 
 @functools.cache
@@ -72,7 +93,7 @@ def methods(protocol: type) -> dict[str, Method]:
             raise TypeError(f"{protocol.__qualname__}.{name} must be an async def, or a def returning AsyncIterator")
         parameters = list(signature.parameters.values())[1:]
         found[name] = Method(name, function, signature.replace(parameters=parameters), streams,
-                             getattr(function, RANK_ZERO, False))
+                             getattr(function, RANK_ZERO, False), getattr(function, BY_REFERENCE, False))
     return found
 
 

@@ -113,12 +113,18 @@ class _FakeActor:
         calls = self.calls
 
         class Remote:
-            @staticmethod
-            def remote(*args, **kwargs):
+            returns = 1
+
+            @classmethod
+            def options(cls, num_returns):  # a by_reference method: its receipt, then its value's reference
+                return type("Remote", (cls,), {"returns": num_returns})
+
+            @classmethod
+            def remote(cls, *args, **kwargs):
                 calls.append((method, args, kwargs))
                 answer = asyncio.get_running_loop().create_future()
-                answer.set_result(f"{method} done")
-                return answer
+                answer.set_result(f"{method} done" if cls.returns == 1 else f"{method} receipt")
+                return answer if cls.returns == 1 else [answer, f"{method} done"]
 
         return Remote
 
@@ -146,6 +152,7 @@ def _pool(shards: int, spans: list | None = None) -> tuple[TrainerPool, TrainerG
     ("save_state", ("m", "/ckpt"), "m"),
     ("load_state", ("m", "/ckpt", True), "m"),
     ("save_for_sampler", ("m", "/ckpt"), "m"),
+    ("sampler_tensors", ("m",), "m"),
     ("save_for_export", ("m", "/ckpt"), "m"),
     ("score", (None, [1, 2, 3]), None),
     ("import_adapter", ("/upload", LoraSpec(rank=2, seed=0), "/upload/.sampler"), None),
@@ -159,7 +166,8 @@ def test_each_operation_is_one_traced_call_of_the_actor_method_of_its_name(opera
     rank_zero = operation == "import_adapter"  # reads files only
     for rank, actor in enumerate(group.actors):
         assert actor.calls == ([] if rank and rank_zero else [(operation, args, {})])
-    assert answer == f"{operation} done"
+    assert answer == ((f"{operation} receipt", f"{operation} done") if operation == "sampler_tensors"
+                      else f"{operation} done")
     assert spans == [(f"trainer.{operation}", model_id)]
 
 

@@ -165,7 +165,10 @@ class TrainerGroup:
         if len(actors) > 1 and method.rank_zero:
             actors = actors[:1]
         refs = [method.submit(actor, args, kwargs) for actor in actors]  # submitted in one go: the same order on each
-        tasks = [asyncio.ensure_future(await_call(ref, self.what, method.name, cancel=len(refs) == 1)) for ref in refs]
+        # A by_reference call's receipt is awaited, its value left where the shard put it (``adapters.boundary``).
+        awaited = [ref[0] for ref in refs] if method.by_reference else refs
+        tasks = [asyncio.ensure_future(await_call(ref, self.what, method.name, cancel=len(refs) == 1))
+                 for ref in awaited]
         for task in tasks:  # a caller that stops waiting leaves the shards' calls to finish, their errors read
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
@@ -189,6 +192,8 @@ class TrainerGroup:
         else:
             if failures[0] is not None:
                 raise failures[0]
+            if method.by_reference:
+                return [(t.result(), ref[1]) for t, ref in zip(tasks, refs, strict=True)]
             return [t.result() for t in tasks]
         if group is not self.actors and self._why:
             # The group was restarted while this call ran: a question found a shard dead first, and the restart
