@@ -50,7 +50,9 @@ class ServerConfig:
         None, "where checkpoint and sampler-weight files live (default: the data directory); on a multi-machine Ray "
               "cluster, a shared filesystem mounted at the same path on every node")
     ray_num_cpus: int | None = option(None, "CPUs the local Ray instance may use (default: all of this machine's)")
-    ray_object_store_mb: int = option(256, "object store size of the local Ray instance in MiB (default: %(default)s)")
+    ray_object_store_mb: int = option(
+        1024, "object store size of the local Ray instance in MiB: unnamed sampler saves travel and are held there "
+              "(--ephemeral-memory-mb) (default: %(default)s)")
 
     # The trainers and the samplers: where they run, what each holds.
     trainer: TrainerOptions = nested(TrainerOptions, "trainers")

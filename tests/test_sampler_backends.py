@@ -55,13 +55,14 @@ def make_sampler(request, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir, tmp_path_factory) -> list[AdapterRef]:
-    """Two trained adapters (different ranks and targets) saved as sampler checkpoints."""
+def trained(tiny_model_dir, tmp_path_factory) -> tuple[list[AdapterRef], list[AdapterRef]]:
+    """Two trained adapters (different ranks and targets) saved as sampler checkpoints, and the same weights as the
+    trainer hands them over in memory (an unnamed save)."""
     trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(threads=2))
     tokens = np.array([*PROMPT, 301, 17, 96])
     data = [DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
                                                             "weights": np.ones(tokens.size - 1, dtype=np.float32)})]
-    refs = []
+    refs, held = [], []
     for name, spec in [("a", LoraSpec(rank=8, seed=1)), ("b", LoraSpec(rank=4, seed=2, train_unembed=False))]:
         trainer.create(name, spec)
         for _ in range(3):
@@ -70,7 +71,13 @@ def adapters(tiny_model_dir, tmp_path_factory) -> list[AdapterRef]:
         directory = tmp_path_factory.mktemp(f"adapter-{name}")
         trainer.save_for_sampler(name, str(directory))
         refs.append(AdapterRef(key=name, directory=str(directory)))
-    return refs
+        held.append(AdapterRef(key=f"{name} in memory", directory="", tensors=trainer.sampler_tensors(name)[1]))
+    return refs, held
+
+
+@pytest.fixture(scope="module")
+def adapters(trained) -> list[AdapterRef]:
+    return trained[0]
 
 
 def scoring_job_for(prompt, **fields) -> SampleJob:
@@ -186,6 +193,21 @@ def test_changed_weights_under_one_key_are_reloaded(make_sampler, adapters):
     direct = run(sampler.sample(b, scoring_job()))
     np.testing.assert_allclose(stale.prompt.logprobs[1:], first.prompt.logprobs[1:], atol=1e-6)  # same version
     np.testing.assert_allclose(newer.prompt.logprobs[1:], direct.prompt.logprobs[1:], atol=1e-5)
+
+
+def test_weights_handed_in_memory_sample_as_their_files(make_sampler, trained):
+    """An unnamed save reaches the transformers sampler as tensors (``AdapterTensors``), never a file: it scores as
+    the same adapter read from its directory. vLLM's sampler, which reads directories alone, refuses it by name
+    (the server writes vLLM's unnamed saves as files)."""
+    sampler = make_sampler()
+    for ref, in_memory in zip(*trained, strict=True):
+        if make_sampler.backend == "vllm":
+            with pytest.raises(UserError, match="handed in memory"):
+                run(sampler.sample(in_memory, scoring_job()))
+            continue
+        from_file = run(sampler.sample(ref, scoring_job()))
+        from_memory = run(sampler.sample(in_memory, scoring_job()))
+        np.testing.assert_allclose(from_memory.prompt.logprobs[1:], from_file.prompt.logprobs[1:], atol=1e-6)
 
 
 def test_seeded_samples_do_not_depend_on_batch_company(make_sampler):

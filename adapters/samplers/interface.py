@@ -2,7 +2,8 @@
 ``SamplerBackend``, the one small interface every sampler backend implements inside a replica.
 
 A backend holds one base model and serves sampling requests for it and for any LoRA adapter saved for sampling,
-loading adapters on demand from their checkpoint directory and keeping a bounded number resident. Backends, each a
+loading adapters on demand — from their checkpoint directory, or from memory where the trainer handed them over
+(``AdapterTensors``) — and keeping a bounded number resident. Backends, each a
 subclass of ``SamplerBackend``: ``adapters.samplers.hf.sampler.TransformersSampler`` (CPU default, GPU fallback) and
 ``adapters.samplers.vllm.sampler.VLLMSampler`` (GPU, ``[gpu]`` extra). Each replica is a Ray actor around one
 (``adapters.samplers.replica.SamplerActor``), which ``adapters.samplers.pool`` creates from its import path and calls
@@ -14,8 +15,10 @@ from __future__ import annotations
 import importlib.util
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
 
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
 
@@ -44,6 +47,33 @@ class AdapterRef:
     key: str
     directory: str
     version: int = 0
+    tensors: Any = field(default=None, compare=False)
+    """The weights themselves where no directory holds them (``directory`` is then empty): an ``AdapterTensors``, or a
+    Ray object reference to one, which a backend fetches when it loads the adapter (``resolve``)."""
+
+    def resolve(self) -> AdapterTensors:
+        """``tensors`` fetched (from Ray's object store, where they are a reference; on the sampler's node, read in
+        place)."""
+        if isinstance(self.tensors, AdapterTensors):
+            return self.tensors
+        import ray
+
+        return ray.get(self.tensors)
+
+
+@dataclass(frozen=True)
+class AdapterTensors:
+    """A LoRA adapter's weights as the trainer hands them to samplers in memory (an unnamed save: no file written):
+    every pair by the LoRA model's slot keys, trainer and sampler sharing one model code (``adapters.lora.model``),
+    as float32 numpy arrays (Ray's object store passes those without copying), with the adapter's scale and rank."""
+
+    pairs: dict[str, tuple[np.ndarray, np.ndarray]]
+    scaling: float
+    rank: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
 
 
 @dataclass(frozen=True)

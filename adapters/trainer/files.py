@@ -19,6 +19,7 @@ from adapters.lora.files import (
     whole_if_integer,
 )
 from adapters.lora.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
+from adapters.samplers.interface import AdapterTensors
 from adapters.trainer import optimizer_state
 from adapters.trainer.interface import LoraSpec, read_lora_spec
 from adapters.trainer.parallelize import whole_tensors
@@ -45,6 +46,25 @@ class CheckpointFiles:
         """Write the adapter as a standard PEFT directory (adapter_config.json + adapter_model.safetensors) that any
         PEFT loader turns into the trained model (``adapters.lora.files``: the stored naming)."""
         self._write_adapter(model_id, Path(directory), export=False)
+
+    def sampler_tensors(self, model_id: str) -> AdapterTensors | None:
+        """The adapter as samplers load it from memory (an unnamed save: nothing written), float32 and copied off the
+        run's parameters; on rank 0 (None on the other shards, which take part in gathering split experts)."""
+        adapter = self.table.get_run(model_id)
+        tensors = _kept(lambda: whole_tensors(self.table.model, adapter.name, self.shards))
+        handed: list[AdapterTensors] = []
+        self._on_rank_zero(lambda: handed.append(AdapterTensors(
+            {key: (a.float().numpy().copy(), b.float().numpy().copy()) for key, (a, b) in tensors().items()},
+            adapter.scaling, adapter.spec.rank)))
+        return handed[0] if handed else None
+
+    def staged_tensors(self, weights: AdapterTensors) -> Adapter:
+        """A temporary adapter holding ``weights`` (handed in memory: ``sampler_tensors``), to score with."""
+        tensors = {key: (torch.from_numpy(a.copy()), torch.from_numpy(b.copy())) for key, (a, b) in weights.pairs.items()}
+        groups = self.table.model.slot_groups(tensors)
+        spec = LoraSpec(rank=weights.rank, seed=0, train_attn="attn" in groups, train_mlp="mlp" in groups,
+                        train_unembed="unembed" in groups)
+        return self.table.temporary(spec, tensors, weights.scaling)
 
     def save_for_export(self, model_id: str, directory: str) -> None:
         """Write the adapter for download, named as hosted Tinker names it (``adapters.lora.files``)."""

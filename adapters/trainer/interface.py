@@ -13,8 +13,9 @@ from typing import Protocol
 
 import numpy as np
 
-from adapters.boundary import on_rank_zero
+from adapters.boundary import by_reference, on_rank_zero
 from adapters.lora.layout import ADAPTER_CONFIG, TRAINER_STATE
+from adapters.samplers.interface import AdapterTensors
 from shims.custom_loss.graph import CustomLoss
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -220,6 +221,13 @@ class Trainer(Protocol):
         are split over them by expert, and gathered to be written."""
         ...
 
+    @by_reference
+    async def sampler_tensors(self, model_id: str) -> tuple[int, AdapterTensors | None]:
+        """A run's adapter as samplers load it from memory (an unnamed save: nothing written): its bytes, and the
+        weights, which the caller gets as a Ray reference it owns, to hand to the samplers unread. On every shard, as
+        ``save_for_sampler``; rank 0's answer is the group's."""
+        ...
+
     async def save_for_export(self, model_id: str, directory: str) -> None:
         """Write a run's adapter for download, named as hosted Tinker names it (on every shard, as
         ``save_for_sampler``)."""
@@ -241,9 +249,9 @@ class Trainer(Protocol):
         """Replace (or create) a run's adapter with the checkpoint in ``directory``; returns the layout loaded."""
         ...
 
-    async def score(self, directory: str | None, tokens: list[int]) -> list[float]:
-        """Logprobs of ``tokens[1:]`` under the base model plus the adapter saved in ``directory`` (None: the base
-        model alone); no run is touched."""
+    async def score(self, weights: str | AdapterTensors | None, tokens: list[int]) -> list[float]:
+        """Logprobs of ``tokens[1:]`` under the base model plus the adapter saved in the directory ``weights`` or
+        handed in memory (None: the base model alone); no run is touched."""
         ...
 
 

@@ -1,8 +1,10 @@
-"""Unnamed sampler saves (``save_weights_and_get_sampling_client``): where they are written, how many are kept, and
-the latest ``inflight`` weights of each training model.
+"""Unnamed sampler saves (``save_weights_and_get_sampling_client``): where they are held, how many are kept, and the
+latest ``inflight`` weights of each training model.
 
-They live under ``DATA_DIR/ephemeral`` and do not outlive the process that made them (their training model does not
-either): the directory is emptied at start, and only the last ``keep`` saves per training model stay on disk.
+Where the samplers load from memory (the transformers backend) they are held in memory, as Ray objects the server owns
+(the reference the trainer call returned: ``adapters.boundary.by_reference``): nothing is written. For vLLM's samplers, which read a directory, they are written under
+``DATA_DIR/ephemeral``. Neither outlives the process that made them (their training model does not either): the
+directory is emptied at start, and only the last ``keep`` saves per training model are kept.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from adapters.samplers.interface import AdapterRef
 @dataclass(frozen=True)
 class EphemeralKey:
     """The identity of unnamed sampler weights: the training model they were saved from, and which save of it (a
-    snapshot's own directory, or the model's one ``inflight`` weights, whose changes ``AdapterRef.version`` counts)."""
+    snapshot's own number, or the model's one ``inflight`` weights, whose changes ``AdapterRef.version`` counts)."""
 
     model_id: str
     save: str
 
     @classmethod
-    def snapshot(cls, model_id: str, directory: Path) -> EphemeralKey:
-        return cls(model_id, directory.name)
+    def snapshot(cls, model_id: str, save: str) -> EphemeralKey:
+        return cls(model_id, save)
 
     @classmethod
     def inflight(cls, model_id: str) -> EphemeralKey:
@@ -36,36 +38,77 @@ class EphemeralKey:
 
 
 class EphemeralWeights:
-    def __init__(self, root: Path, keep: int) -> None:
+    def __init__(self, root: Path, keep: int, memory_bytes: int = 0) -> None:
+        """``keep``: saves kept per training model; ``memory_bytes``: the most the saves held in memory take together
+        (``--ephemeral-memory-mb``), the oldest pushed out first."""
         self.root = root
         self.keep = keep
+        self.memory_bytes = memory_bytes
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
-        self._kept: dict[str, list[Path]] = {}
+        self._kept: dict[str, list[AdapterRef]] = {}
+        self._held: dict[str, tuple[str, AdapterRef, int]] = {}
+        """The saves held in memory, oldest first, by key: their training model, reference and bytes."""
         self._inflight: dict[str, AdapterRef] = {}
         self._counter = 0
 
-    def directory(self, model_id: str) -> Path:
-        """A fresh directory for an unnamed save of ``model_id``'s weights."""
-        self._counter += 1
-        return self.root / model_id.replace(":", "_") / f"{self._counter:08d}"
+    def fits(self, nbytes: int) -> bool:
+        """Whether a save of ``nbytes`` may be held in memory (pushing older ones out)."""
+        return nbytes <= self.memory_bytes
 
-    def add(self, model_id: str, directory: Path, *, inflight: bool) -> AdapterRef:
-        """The weights just saved into ``directory`` as a sampler adapter; an ``inflight`` save becomes the model's
-        inflight weights (a new version of the same adapter). Older saves beyond ``keep`` are deleted."""
+    def _next(self) -> str:
+        self._counter += 1
+        return f"{self._counter:08d}"
+
+    def directory(self, model_id: str) -> Path:
+        """A fresh directory for an unnamed save of ``model_id``'s weights (for samplers that read one)."""
+        return self.root / model_id.replace(":", "_") / self._next()
+
+    def add(self, model_id: str, directory: Path | None = None, tensors: object = None, nbytes: int = 0, *,
+            inflight: bool) -> AdapterRef:
+        """The weights just saved into ``directory``, or held in memory as ``tensors`` (``AdapterRef.tensors``, of
+        ``nbytes``), as a sampler adapter; an ``inflight`` save becomes the model's inflight weights (a new version
+        of the same adapter). Older saves beyond ``keep`` are deleted, and in memory the oldest beyond
+        ``memory_bytes``; the inflight weights a newer version replaces go at once from memory (a sample that
+        started on them holds them itself)."""
+        held = directory is None
         if inflight:
             previous = self._inflight.get(model_id)
-            ref = AdapterRef(str(EphemeralKey.inflight(model_id)), str(directory),
-                             (previous.version + 1) if previous else 1)
+            ref = AdapterRef(str(EphemeralKey.inflight(model_id)), "" if held else str(directory),
+                             (previous.version + 1) if previous else 1, tensors)
             self._inflight[model_id] = ref
         else:
-            ref = AdapterRef(str(EphemeralKey.snapshot(model_id, directory)), str(directory))
+            save = self._next() if held else directory.name
+            ref = AdapterRef(str(EphemeralKey.snapshot(model_id, save)), "" if held else str(directory), tensors=tensors)
         kept = self._kept.setdefault(model_id, [])
-        kept.append(directory)
+        if held:
+            if inflight:
+                kept[:] = [old for old in kept if old.key != ref.key]
+                self._held.pop(ref.key, None)
+            while self._held and sum(size for _, _, size in self._held.values()) + nbytes > self.memory_bytes:
+                oldest_model, oldest, _ = next(iter(self._held.values()))
+                self._kept[oldest_model].remove(oldest)
+                self._drop(oldest)
+            self._held[ref.key] = (model_id, ref, nbytes)
+        kept.append(ref)
         while len(kept) > self.keep:
-            shutil.rmtree(kept.pop(0), ignore_errors=True)
+            self._drop(kept.pop(0))
         return ref
 
+    def _drop(self, ref: AdapterRef) -> None:
+        """Delete a save's files, or let go of it in memory (its model's inflight weights, if it was them)."""
+        if ref.directory:
+            shutil.rmtree(ref.directory, ignore_errors=True)
+        entry = self._held.pop(ref.key, None)
+        if entry is not None and self._inflight.get(entry[0]) is ref:
+            del self._inflight[entry[0]]
+
+    def snapshot(self, key: str) -> AdapterRef | None:
+        """The snapshot held in memory under ``key`` (None once newer saves pushed it out, or after a restart)."""
+        entry = self._held.get(key)
+        return entry[1] if entry else None
+
     def inflight(self, model_id: str) -> AdapterRef | None:
-        """The model's latest inflight weights (None after a restart: they are not kept across one)."""
+        """The model's latest inflight weights (None after a restart, or once newer saves pushed them out of
+        memory)."""
         return self._inflight.get(model_id)

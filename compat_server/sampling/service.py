@@ -54,7 +54,7 @@ class SamplingService:
             for name, facts in samplers.facts.items()
         }
         self.meter = SamplingMeter(list(base_models), options.drift_probe_every, self._score)
-        self.ephemeral = EphemeralWeights(ephemeral_root, options.ephemeral_keep)
+        self.ephemeral = EphemeralWeights(ephemeral_root, options.ephemeral_keep, options.ephemeral_memory_mb * 2**20)
         self.weights = SamplerWeights(records, checkpoints, self.ephemeral, base_models,
                                       {name: limits.max_context for name, limits in self.limits.items()})
         self.sessions = SamplingSessions(records, self.weights, self.ephemeral)
@@ -62,7 +62,8 @@ class SamplingService:
     # ---- the drift probe ------------------------------------------------------------------------------------------
     async def _score(self, base_model: str, adapter: AdapterRef | None, tokens: list[int]) -> list[float]:
         """The trainer's logprobs of ``tokens`` under the same weights (for the drift probe)."""
-        return await self.scheduler.trainer_for(base_model).score(adapter.directory if adapter else None, tokens)
+        weights = None if adapter is None else adapter.directory or adapter.tensors  # Ray hands the trainer its value
+        return await self.scheduler.trainer_for(base_model).score(weights, tokens)
 
     # ---- asample --------------------------------------------------------------------------------------------------
     def asample(self, owner: str, req: types.SampleRequest, idem: str | None) -> dict:

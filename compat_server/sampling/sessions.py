@@ -61,19 +61,22 @@ class SamplingSessions:
                                         model_path=row["model_path"])
 
     def register_ephemeral(self, owner: str, model_row: dict, sampling_session_seq_id: int | None, kind: str,
-                           directory: Path) -> str:
-        """Record a sampling session over weights just saved into ``directory`` (``self.ephemeral.directory``);
+                           directory: Path | None = None, tensors: object = None, nbytes: int = 0) -> str:
+        """Record a sampling session over weights just saved into ``directory`` (``self.ephemeral.directory``) or
+        held in memory as ``tensors`` (of ``nbytes``: the Ray reference the trainer's ``sampler_tensors`` returned);
         ``kind`` is the request's: ``snapshot`` or ``inflight``."""
         if sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler without a name needs sampling_session_seq_id")
         weights_kind = WeightsKind(kind)
         if weights_kind not in (WeightsKind.SNAPSHOT, WeightsKind.INFLIGHT):
             raise UserError(f"unnamed sampler weights are a snapshot or inflight, not {kind!r}")
-        ref = self.ephemeral.add(model_row["id"], directory, inflight=weights_kind is WeightsKind.INFLIGHT)
+        ref = self.ephemeral.add(model_row["id"], directory, tensors, nbytes,
+                                 inflight=weights_kind is WeightsKind.INFLIGHT)
         sampler_id = sampler_id_for(model_row["session_id"], sampling_session_seq_id)
         self.records.samplers.create_sampler(sampler_id, session_id=model_row["session_id"], owner=owner,
                                              base_model=model_row["base_model"], kind=weights_kind.value,
                                              model_id=model_row["id"], adapter_key=ref.key,
-                                             adapter_dir=str(directory))
-        log.info("sampler weights saved (%s): %s → sampling session %s", kind, model_row["id"], sampler_id)
+                                             adapter_dir=ref.directory or None)
+        log.info("sampler weights saved (%s, %s): %s → sampling session %s", kind, "on disk" if ref.directory else
+                 "in memory", model_row["id"], sampler_id)
         return sampler_id

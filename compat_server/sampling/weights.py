@@ -118,14 +118,18 @@ class SamplerWeights:
         if kind is WeightsKind.INFLIGHT:
             ref = self.ephemeral.inflight(row["model_id"])
             if ref is None:
-                raise UserError(f"the inflight weights of sampling session {row['id']} are gone (the server "
-                                "restarted); save weights for sampling again")
+                raise UserError(f"the inflight weights of sampling session {row['id']} are gone: the server "
+                                f"holds the last {self.ephemeral.memory_bytes // 2**20} MiB of unnamed saves in "
+                                "memory (--ephemeral-memory-mb) and none across restarts; save weights for sampling "
+                                "again")
             return ref
-        if not Path(row["adapter_dir"]).exists():
+        held = self.ephemeral.snapshot(row["adapter_key"]) if not row["adapter_dir"] else None
+        if held is None and not (row["adapter_dir"] and Path(row["adapter_dir"]).exists()):
             raise UserError(f"the weights of sampling session {row['id']} are gone: the server keeps the last "
-                            f"{self.ephemeral.keep} unnamed saves per training model (--ephemeral-keep) and "
+                            f"{self.ephemeral.keep} unnamed saves per training model (--ephemeral-keep), those in "
+                            f"memory within {self.ephemeral.memory_bytes // 2**20} MiB (--ephemeral-memory-mb), and "
                             "none across restarts; save weights for sampling again")
-        return AdapterRef(row["adapter_key"], row["adapter_dir"])
+        return held or AdapterRef(row["adapter_key"], row["adapter_dir"])
 
     def for_request(self, owner: str, req: types.SampleRequest) -> tuple[Target, dict | None]:
         """What the request samples from, checked now (and again when it runs), and its sampling session's row

@@ -153,8 +153,21 @@ class CheckpointCalls:
 
     async def _save_unnamed_for_sampler(self, owner: str, row: dict, req: types.SaveWeightsForSamplerRequest) -> Payload:
         """``save_weights_and_get_sampling_client``: weights saved outside the checkpoint listing, and a sampling
-        session over them that can sample at once."""
-        directory = self.sampling.ephemeral.directory(row["id"])
+        session over them that can sample at once. Where the samplers load from memory, the weights go to them in
+        memory, nothing written (``compat_server.sampling.ephemeral``)."""
+        ephemeral = self.sampling.ephemeral
+        if self.sampling.samplers.loads_from_memory(row["base_model"]):
+            # The weights stay in Ray's object store where the trainer put them, owned by this process (they
+            # outlive the trainer); each sampler replica fetches them from there (``adapters.boundary.by_reference``).
+            nbytes, held = await self._trainer(row).sampler_tensors(row["id"])
+            if ephemeral.fits(nbytes):
+                sampler_id = self.sampling.sessions.register_ephemeral(
+                    owner, row, req.sampling_session_seq_id, req.kind, tensors=held, nbytes=nbytes)
+                return json_payload(types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id,
+                                                                                type="save_weights_for_sampler"))
+            log.info("sampler weights of %s (%d MiB) are more than --ephemeral-memory-mb %d: written under the data "
+                     "directory", row["id"], nbytes // 2**20, ephemeral.memory_bytes // 2**20)
+        directory = ephemeral.directory(row["id"])
         staging = directory.with_name(f".staging-{directory.name}")
         try:
             with disk_full_names(f"sampler weights of {row['id']}"):

@@ -141,8 +141,14 @@ class TransformersSampler(SamplerBackend):
         name = f"slot_{slot.slot_id}"
         if slot.load:
             try:
-                state, scaling, rank = read_adapter_file(Path(ref.directory))
-                self.model.put(name, self.naming.read(state, rank), scaling)
+                if ref.tensors is not None:  # handed in memory: the LoRA model's own slot keys
+                    weights = ref.resolve()
+                    tensors = {key: (torch.from_numpy(a.copy()), torch.from_numpy(b.copy()))
+                               for key, (a, b) in weights.pairs.items()}
+                    self.model.put(name, tensors, weights.scaling)
+                else:
+                    state, scaling, rank = read_adapter_file(Path(ref.directory))
+                    self.model.put(name, self.naming.read(state, rank), scaling)
             except Exception as exc:  # noqa: BLE001 - any load failure is reported as this request's error
                 self.adapters.forget(ref.key, slot.slot_id)
                 raise UserError(f"sampler weights {ref.key} could not be loaded: {exc}") from None

@@ -318,6 +318,8 @@ def _token_counter(sampler: VLLMSampler):
 def _check_adapter(adapter: AdapterRef, max_rank: int) -> None:
     """A user error, before anything is loaded, for sampler weights that are missing, unreadable or of a rank the
     engine was not started for."""
+    if adapter.tensors is not None:  # the server hands vLLM's samplers directories alone (SamplerPool)
+        raise UserError(f"sampler weights {adapter.key} were handed in memory, which vLLM's sampler cannot load")
     config = Path(adapter.directory) / "adapter_config.json"
     try:
         rank = int(json.loads(config.read_text())["r"])
