@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench.common import write
 
@@ -57,21 +56,13 @@ def main() -> None:
 
 def build_model(layers: int) -> Path:
     """The random-init MoE (seeded), with the tiny model's tokenizer files beside it."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
-    from adapters.models.tiny import ensure_tiny_model
+    from adapters.models.tiny import save_random_model
 
     config = Qwen3MoeConfig(**EXPERTS, num_hidden_layers=layers, norm_topk_prob=True, decoder_sparse_step=1,
                             mlp_only_layers=[], tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
-    directory = Path(tempfile.mkdtemp(prefix="bench-handoff-"))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    tiny = ensure_tiny_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny / name).exists():
-            shutil.copy2(tiny / name, directory / name)
-    return directory
+    return save_random_model(config, Path(tempfile.mkdtemp(prefix="bench-handoff-")))
 
 
 def server_rows(base_model: str, backend: str, mode: str, flags: tuple[str, ...], args) -> list[dict]:

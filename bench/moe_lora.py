@@ -141,26 +141,17 @@ def main() -> None:
 
 # ---- the model and the data ------------------------------------------------------------------------------------------
 def build_model(shape: str, layers: int) -> Path:
-    """A random-init Qwen3-MoE of ``shape`` (seeded), saved with the tiny model's tokenizer files beside it (the
-    server's samplers load a tokenizer; the benchmark feeds token ids directly)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    """A random-init Qwen3-MoE of ``shape`` (seeded; bfloat16 on a GPU), saved with the tiny model's tokenizer files
+    beside it (the server's samplers load a tokenizer; the benchmark feeds token ids directly)."""
+    from transformers import Qwen3MoeConfig
 
-    from adapters.models.tiny import ensure_tiny_model
+    from adapters.models.tiny import save_random_model
 
     config = Qwen3MoeConfig(**{**SHAPES[shape], "num_hidden_layers": layers}, norm_topk_prob=True,
                             decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=32768,
                             tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
-    cuda = torch.cuda.is_available()
-    directory = Path(tempfile.mkdtemp(prefix=f"bench-{shape}-"))
-    with torch.random.fork_rng(devices=[]), torch.device("cuda" if cuda else "cpu"):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
-    model.save_pretrained(directory)
-    del model
-    tiny = ensure_tiny_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny / name).exists():
-            shutil.copy2(tiny / name, directory / name)
+    directory = save_random_model(config, Path(tempfile.mkdtemp(prefix=f"bench-{shape}-")),
+                                  torch.bfloat16 if torch.cuda.is_available() else None)
     _free()
     return directory
 

@@ -13,7 +13,6 @@ server; the last tests run a server with its trainer on 2 shards, through the SD
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -39,21 +38,13 @@ MANY_EXPERTS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads"
 @pytest.fixture(scope="module")
 def moe_dir(model_cache, tmp_path_factory) -> str:
     """The model, with the tiny model's tokenizer beside it for the server's sampler."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
-    from adapters.models.tiny import ensure_tiny_model
+    from adapters.models.tiny import save_random_model
 
     config = Qwen3MoeConfig(**MANY_EXPERTS, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                             tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
-    directory = tmp_path_factory.mktemp("many-experts")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    tiny = ensure_tiny_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tiny / name).exists():
-            shutil.copy2(tiny / name, directory / name)
-    return str(directory)
+    return str(save_random_model(config, tmp_path_factory.mktemp("many-experts")))
 
 
 @pytest.fixture(scope="module")

@@ -221,3 +221,24 @@ def install_in_hf_cache(directory: Path, repo_id: str) -> Path:
     ref.write_text(revision)
     os.replace(ref, refs / "main")
     return snapshot
+
+
+def save_random_model(config, directory: Path, dtype=None) -> Path:
+    """A random-init model of the transformers ``config`` (seed 0; on a GPU where there is one) saved into
+    ``directory``, with the tiny model's tokenizer files beside it: a server loads and serves it as a base model with
+    nothing downloaded (its samplers read a tokenizer; benchmarks and tests feed token ids). ``dtype``: float32 unless
+    given."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    model.save_pretrained(directory)
+    del model
+    tiny = ensure_tiny_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny / name).exists():
+            shutil.copy2(tiny / name, directory / name)
+    return directory
