@@ -128,7 +128,10 @@ def actor_proxy(handle: Any, protocol: Callable[..., T], what: str, cancel: bool
             return lambda *args, **kwargs: _stream(lambda: method.submit(handle, args, kwargs), what, method.name)
 
         async def call(*args: Any, **kwargs: Any) -> Any:
-            return await await_call(method.submit(handle, args, kwargs), what, method.name, cancel)
+            refs = method.submit(handle, args, kwargs)
+            if method.by_reference:  # the receipt awaited, the value's reference handed back unread
+                return await await_call(refs[0], what, method.name, cancel), refs[1]
+            return await await_call(refs, what, method.name, cancel)
         return call
 
     return cast(T, _Proxy(protocol, bind, what))

@@ -150,8 +150,9 @@ def build_model(shape: str, layers: int) -> Path:
     config = Qwen3MoeConfig(**{**SHAPES[shape], "num_hidden_layers": layers}, norm_topk_prob=True,
                             decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=32768,
                             tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+    cuda = torch.cuda.is_available()  # built on the GPU there: the qwen3-30b-a3b shape takes minutes on a CPU
     directory = save_random_model(config, Path(tempfile.mkdtemp(prefix=f"bench-{shape}-")),
-                                  torch.bfloat16 if torch.cuda.is_available() else None)
+                                  torch.bfloat16 if cuda else None, "cuda" if cuda else "cpu")
     _free()
     return directory
 

@@ -69,3 +69,32 @@ def test_saves_held_in_memory_stay_within_their_bytes_oldest_out_first(tmp_path)
     assert weights.inflight("b") is b2 and weights.snapshot(c.key) is c
     weights.add("d", tensors="d0", nbytes=50, inflight=False)  # c then b's inflight weights go
     assert weights.snapshot(c.key) is None and weights.inflight("b") is None
+
+
+def test_a_model_makes_room_from_its_own_saves_first_and_versions_never_repeat(tmp_path):
+    """A model's new save pushes out its own older saves before another tenant's; and once its inflight weights were
+    pushed out, its next inflight save is a newer version still (a replica holding the old version reloads), not
+    version 1 again (which that replica would take for the one it holds)."""
+    weights = EphemeralWeights(tmp_path / "ephemeral", keep=8, memory_bytes=100)
+    other = weights.add("other", tensors="o", nbytes=40, inflight=False)
+    mine = weights.add("mine", tensors="m0", nbytes=40, inflight=False)
+    newer = weights.add("mine", tensors="m1", nbytes=40, inflight=False)  # 120 > 100: mine's own older save goes
+    assert weights.snapshot(other.key) is other and weights.snapshot(mine.key) is None
+    assert weights.snapshot(newer.key) is newer
+    first = weights.add("b", tensors="b1", nbytes=20, inflight=True)
+    for i in range(3):  # b's inflight weights are pushed out by others' saves
+        weights.add(f"flood{i}", tensors="x", nbytes=100, inflight=False)
+    assert weights.inflight("b") is None
+    again = weights.add("b", tensors="b2", nbytes=20, inflight=True)
+    assert again.version > first.version
+
+
+def test_a_run_whose_save_did_not_fit_is_written_at_once_next_time(tmp_path):
+    """``may_hold``: no memory at all (``--ephemeral-memory-mb 0``) is never tried; a run whose last save was larger
+    than the budget is written as files without an in-memory copy first; others are tried."""
+    assert not EphemeralWeights(tmp_path / "none", keep=8, memory_bytes=0).may_hold("m")
+    weights = EphemeralWeights(tmp_path / "ephemeral", keep=8, memory_bytes=100)
+    assert weights.may_hold("m") and weights.may_hold("n")
+    weights.sized("m", 101)
+    weights.sized("n", 100)
+    assert not weights.may_hold("m") and weights.may_hold("n")

@@ -223,16 +223,16 @@ def install_in_hf_cache(directory: Path, repo_id: str) -> Path:
     return snapshot
 
 
-def save_random_model(config, directory: Path, dtype=None) -> Path:
-    """A random-init model of the transformers ``config`` (seed 0; on a GPU where there is one) saved into
-    ``directory``, with the tiny model's tokenizer files beside it: a server loads and serves it as a base model with
-    nothing downloaded (its samplers read a tokenizer; benchmarks and tests feed token ids). ``dtype``: float32 unless
-    given."""
+def save_random_model(config, directory: Path, dtype=None, device: str = "cpu") -> Path:
+    """A random-init model of the transformers ``config`` (seed 0, built on ``device``; the caller's random state
+    left as it was) saved into ``directory``, with the tiny model's tokenizer files beside it: a server loads and
+    serves it as a base model with nothing downloaded (its samplers read a tokenizer; benchmarks and tests feed token
+    ids). ``dtype``: float32 unless given."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.random.fork_rng(devices=[]), torch.device(device):
+    devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     model.save_pretrained(directory)

@@ -50,11 +50,25 @@ class EphemeralWeights:
         self._held: dict[str, tuple[str, AdapterRef, int]] = {}
         """The saves held in memory, oldest first, by key: their training model, reference and bytes."""
         self._inflight: dict[str, AdapterRef] = {}
+        self._versions: dict[str, int] = {}
+        """Each model's last inflight version, kept when its weights are pushed out: a replica that still holds an
+        older version reloads any newer one (``ResidentAdapters``), so versions never repeat."""
+        self._sizes: dict[str, int] = {}
+        """Each model's last save's bytes."""
         self._counter = 0
 
     def fits(self, nbytes: int) -> bool:
         """Whether a save of ``nbytes`` may be held in memory (pushing older ones out)."""
-        return nbytes <= self.memory_bytes
+        return 0 < nbytes <= self.memory_bytes
+
+    def may_hold(self, model_id: str) -> bool:
+        """Whether ``model_id``'s next save is worth handing over in memory: memory is allowed, and its last save (a
+        run's adapter keeps its size) fitted. Otherwise it is written at once, without an in-memory copy first."""
+        return self.memory_bytes > 0 and self.fits(self._sizes.get(model_id, 1))
+
+    def sized(self, model_id: str, nbytes: int) -> None:
+        """Remember the bytes of ``model_id``'s save (``may_hold``)."""
+        self._sizes[model_id] = nbytes
 
     def _next(self) -> str:
         self._counter += 1
@@ -69,13 +83,12 @@ class EphemeralWeights:
         """The weights just saved into ``directory``, or held in memory as ``tensors`` (``AdapterRef.tensors``, of
         ``nbytes``), as a sampler adapter; an ``inflight`` save becomes the model's inflight weights (a new version
         of the same adapter). Older saves beyond ``keep`` are deleted, and in memory the oldest beyond
-        ``memory_bytes``; the inflight weights a newer version replaces go at once from memory (a sample that
-        started on them holds them itself)."""
+        ``memory_bytes`` (the saving model's own first); the inflight weights a newer version replaces go at once
+        from memory (a sample that started on them holds them itself)."""
         held = directory is None
         if inflight:
-            previous = self._inflight.get(model_id)
-            ref = AdapterRef(str(EphemeralKey.inflight(model_id)), "" if held else str(directory),
-                             (previous.version + 1) if previous else 1, tensors)
+            self._versions[model_id] = version = self._versions.get(model_id, 0) + 1
+            ref = AdapterRef(str(EphemeralKey.inflight(model_id)), "" if held else str(directory), version, tensors)
             self._inflight[model_id] = ref
         else:
             save = self._next() if held else directory.name
@@ -86,7 +99,9 @@ class EphemeralWeights:
                 kept[:] = [old for old in kept if old.key != ref.key]
                 self._held.pop(ref.key, None)
             while self._held and sum(size for _, _, size in self._held.values()) + nbytes > self.memory_bytes:
-                oldest_model, oldest, _ = next(iter(self._held.values()))
+                # The saving model's own oldest first: another tenant's saves go only when its own cannot make room.
+                oldest_model, oldest, _ = next((entry for entry in self._held.values() if entry[0] == model_id),
+                                               next(iter(self._held.values())))
                 self._kept[oldest_model].remove(oldest)
                 self._drop(oldest)
             self._held[ref.key] = (model_id, ref, nbytes)

@@ -119,8 +119,9 @@ class SamplerWeights:
             ref = self.ephemeral.inflight(row["model_id"])
             if ref is None:
                 raise UserError(f"the inflight weights of sampling session {row['id']} are gone: the server "
-                                f"holds the last {self.ephemeral.memory_bytes // 2**20} MiB of unnamed saves in "
-                                "memory (--ephemeral-memory-mb) and none across restarts; save weights for sampling "
+                                f"keeps the last {self.ephemeral.keep} unnamed saves per training model "
+                                f"(--ephemeral-keep), those in memory within {self.ephemeral.memory_bytes // 2**20} "
+                                "MiB (--ephemeral-memory-mb), and none across restarts; save weights for sampling "
                                 "again")
             return ref
         held = self.ephemeral.snapshot(row["adapter_key"]) if not row["adapter_dir"] else None

@@ -156,17 +156,19 @@ class CheckpointCalls:
         session over them that can sample at once. Where the samplers load from memory, the weights go to them in
         memory, nothing written (``compat_server.sampling.ephemeral``)."""
         ephemeral = self.sampling.ephemeral
-        if self.sampling.samplers.loads_from_memory(row["base_model"]):
+        if self.sampling.samplers.loads_from_memory(row["base_model"]) and ephemeral.may_hold(row["id"]):
             # The weights stay in Ray's object store where the trainer put them, owned by this process (they
             # outlive the trainer); each sampler replica fetches them from there (``adapters.boundary.by_reference``).
             nbytes, held = await self._trainer(row).sampler_tensors(row["id"])
+            ephemeral.sized(row["id"], nbytes)
             if ephemeral.fits(nbytes):
                 sampler_id = self.sampling.sessions.register_ephemeral(
                     owner, row, req.sampling_session_seq_id, req.kind, tensors=held, nbytes=nbytes)
                 return json_payload(types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id,
                                                                                 type="save_weights_for_sampler"))
-            log.info("sampler weights of %s (%d MiB) are more than --ephemeral-memory-mb %d: written under the data "
-                     "directory", row["id"], nbytes // 2**20, ephemeral.memory_bytes // 2**20)
+            del held  # not kept while the files are written
+            log.info("sampler weights of %s (%d MiB) are more than --ephemeral-memory-mb %d: this run's unnamed saves "
+                     "are written under the data directory", row["id"], nbytes // 2**20, ephemeral.memory_bytes // 2**20)
         directory = ephemeral.directory(row["id"])
         staging = directory.with_name(f".staging-{directory.name}")
         try:
