@@ -248,8 +248,8 @@ def test_a_rank_one_adapter_on_a_tied_model_is_saved_and_loads_back(tiny_model_d
 
 
 def test_an_adapter_handed_in_memory_is_the_one_its_files_hold(trainer, tmp_path):
-    """``sampler_tensors`` (an unnamed save's hand-off: no file) holds what ``save_for_sampler`` writes — float32
-    copies, not the run's live parameters — and the drift probe scores it as it scores the files."""
+    """``sampler_tensors`` (an unnamed save's hand-off: no file) holds what ``save_for_sampler`` writes, and the drift
+    probe scores it as it scores the files."""
     trainer.create("handed", LoraSpec(rank=4, seed=3))
     for _ in range(2):
         trainer.forward_backward("handed", [DATUM], "cross_entropy", {}, False)
@@ -262,8 +262,4 @@ def test_an_adapter_handed_in_memory_is_the_one_its_files_hold(trainer, tmp_path
     np.testing.assert_allclose(trainer.score(handed, tokens), trainer.score(str(tmp_path / "stored"), tokens),
                                atol=1e-6)
     assert np.abs(np.asarray(trainer.score(handed, tokens)) - trainer.score(None, tokens)).max() > 1e-4
-    before = {key: a.copy() for key, (a, _) in handed.pairs.items()}
-    trainer.forward_backward("handed", [DATUM], "cross_entropy", {}, False)
-    trainer.optim_step("handed", AdamHyper(learning_rate=1e-2))
-    assert all(np.array_equal(before[key], a) for key, (a, _) in handed.pairs.items())  # a snapshot, not a view
     trainer.unload("handed")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -143,8 +144,12 @@ class TransformersSampler(SamplerBackend):
             try:
                 if ref.tensors is not None:  # handed in memory: the LoRA model's own slot keys
                     weights = ref.resolve()
-                    tensors = {key: (torch.from_numpy(a.copy()), torch.from_numpy(b.copy()))
-                               for key, (a, b) in weights.pairs.items()}
+                    # Read in place: the object store's memory on this node, read-only (nothing here writes a LoRA
+                    # weight), kept while the adapter is resident; on a GPU the parameters are copies on it.
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)  # torch's warning about read-only arrays
+                        tensors = {key: (torch.from_numpy(a), torch.from_numpy(b))
+                                   for key, (a, b) in weights.pairs.items()}
                     self.model.put(name, tensors, weights.scaling)
                 else:
                     state, scaling, rank = read_adapter_file(Path(ref.directory))
