@@ -2,9 +2,10 @@
 latest ``inflight`` weights of each training model.
 
 Where the samplers load from memory (the transformers backend) they are held in memory, as Ray objects the server owns
-(the reference the trainer call returned: ``adapters.boundary.by_reference``): nothing is written. For vLLM's samplers, which read a directory, they are written under
-``DATA_DIR/ephemeral``. Neither outlives the process that made them (their training model does not either): the
-directory is emptied at start, and only the last ``keep`` saves per training model are kept.
+(the reference the trainer call returned: ``adapters.boundary.by_reference``): nothing is written. For vLLM's samplers,
+which read a directory, they are written under ``DATA_DIR/ephemeral``. Neither outlives the process that made them
+(their training model does not either): the directory is emptied at start, and only the last ``keep`` saves per
+training model are kept.
 """
 
 from __future__ import annotations
