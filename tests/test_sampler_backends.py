@@ -55,7 +55,7 @@ def make_sampler(request, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory) -> tuple[list[AdapterRef], list[AdapterRef]]:
+def trained(tiny_model_dir, tmp_path_factory) -> tuple[list[AdapterRef], list[tuple[AdapterRef, AdapterRef]]]:
     """Two trained adapters (different ranks and targets) saved as sampler checkpoints, and the same weights as the
     trainer hands them over in memory (an unnamed save)."""
     trainer = MultiLoRATrainer(str(tiny_model_dir), TrainerOptions(threads=2))
@@ -71,7 +71,9 @@ def trained(tiny_model_dir, tmp_path_factory) -> tuple[list[AdapterRef], list[Ad
         directory = tmp_path_factory.mktemp(f"adapter-{name}")
         trainer.save_for_sampler(name, str(directory))
         refs.append(AdapterRef(key=name, directory=str(directory)))
-        held.append(AdapterRef(key=f"{name} in memory", directory="", tensors=trainer.sampler_tensors(name)[1]))
+        held.append((AdapterRef(key=f"{name} in memory", directory="", tensors=trainer.sampler_tensors(name)[1]),
+                     AdapterRef(key=f"{name} in memory as PEFT's", directory="",
+                                tensors=trainer.sampler_tensors(name, peft=True)[1])))
     return refs, held
 
 
@@ -195,19 +197,35 @@ def test_changed_weights_under_one_key_are_reloaded(make_sampler, adapters):
     np.testing.assert_allclose(newer.prompt.logprobs[1:], direct.prompt.logprobs[1:], atol=1e-5)
 
 
-def test_weights_handed_in_memory_sample_as_their_files(make_sampler, trained):
-    """An unnamed save reaches the transformers sampler as tensors (``AdapterTensors``), never a file: it scores as
-    the same adapter read from its directory. vLLM's sampler, which reads directories alone, refuses it by name
-    (the server writes vLLM's unnamed saves as files)."""
+def test_weights_handed_in_memory_sample_as_their_files(make_sampler, trained, tmp_path, monkeypatch):
+    """An unnamed save reaches the samplers as tensors, never a file on disk: the transformers sampler takes them by
+    the LoRA model's slot keys (``AdapterTensors``) or as a PEFT directory's contents (``PeftTensors``); vLLM's takes
+    the latter through a directory in shared memory that is gone once loaded, and refuses the former by name. Either
+    way they score as the same adapter read from its directory."""
+    from adapters.samplers.vllm import adapter_files
+
+    monkeypatch.setattr(adapter_files, "SHARED_MEMORY", tmp_path)
     sampler = make_sampler()
-    for ref, in_memory in zip(*trained, strict=True):
-        if make_sampler.backend == "vllm":
-            with pytest.raises(UserError, match="handed in memory"):
-                run(sampler.sample(in_memory, scoring_job()))
-            continue
+    if make_sampler.backend == "vllm":
+        import adapters.samplers.vllm.sampler as vllm_sampler
+
+        written = []
+        monkeypatch.setattr(vllm_sampler, "written", lambda *args: written.append(adapter_files.written(*args))
+                            or written[-1])
+    for ref, (by_slots, as_peft) in zip(*trained, strict=True):
         from_file = run(sampler.sample(ref, scoring_job()))
-        from_memory = run(sampler.sample(in_memory, scoring_job()))
-        np.testing.assert_allclose(from_memory.prompt.logprobs[1:], from_file.prompt.logprobs[1:], atol=1e-6)
+        if make_sampler.backend == "vllm":
+            with pytest.raises(UserError, match="slot keys"):
+                run(sampler.sample(by_slots, scoring_job()))
+        else:
+            from_memory = run(sampler.sample(by_slots, scoring_job()))
+            np.testing.assert_allclose(from_memory.prompt.logprobs[1:], from_file.prompt.logprobs[1:], atol=1e-6)
+        from_peft = run(sampler.sample(as_peft, scoring_job()))
+        np.testing.assert_allclose(from_peft.prompt.logprobs[1:], from_file.prompt.logprobs[1:], atol=1e-6)
+        assert from_peft.sequences[0].tokens == from_file.sequences[0].tokens
+        assert list(tmp_path.iterdir()) == []  # vLLM's shared-memory directory went once the engine had read it
+    if make_sampler.backend == "vllm":
+        assert len(written) == 2 and all(directory.parent == tmp_path for directory in written)
 
 
 def test_seeded_samples_do_not_depend_on_batch_company(make_sampler):

@@ -361,6 +361,21 @@ def test_newer_weights_arriving_while_old_ones_are_in_use():
     assert other.evicted == (old.slot_id,)
 
 
+def test_retired_slots_count_toward_capacity():
+    """A slot replaced by newer weights while in use is still loaded: it counts toward the capacity, so a backend
+    never holds more adapters than that (vLLM's CPU cache is that size, and would evict one on its own)."""
+    lru = ResidentAdapters(2)
+    old = lru.acquire(AdapterRef("k", "/v1", version=1))
+    other = lru.acquire(AdapterRef("x", "/x"))
+    with pytest.raises(AllAdaptersBusy):  # k's old slot and x both serve requests: no room for k's new weights
+        lru.acquire(AdapterRef("k", "/v2", version=2))
+    lru.release("x", other.slot_id)
+    new = lru.acquire(AdapterRef("k", "/v2", version=2))
+    assert new.load and new.evicted == (other.slot_id,)  # x goes; the old k stays loaded while its request runs
+    lru.release("k", old.slot_id)
+    assert lru.acquire(AdapterRef("y", "/y")).evicted == (old.slot_id,)
+
+
 def _accelerators() -> dict[str, bool]:
     return {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
 from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
 from adapters.trainer.options import TrainerOptions
@@ -262,4 +265,12 @@ def test_an_adapter_handed_in_memory_is_the_one_its_files_hold(trainer, tmp_path
     np.testing.assert_allclose(trainer.score(handed, tokens), trainer.score(str(tmp_path / "stored"), tokens),
                                atol=1e-6)
     assert np.abs(np.asarray(trainer.score(handed, tokens)) - trainer.score(None, tokens)).max() > 1e-4
+    # As a PEFT directory's contents (vLLM's samplers' form): the very files, in memory.
+    peft_bytes, as_peft = trainer.sampler_tensors("handed", peft=True)
+    stored = load_file(str(tmp_path / "stored" / "adapter_model.safetensors"))
+    assert as_peft.state.keys() == stored.keys() and peft_bytes == sum(t.numel() * 4 for t in stored.values())
+    for name, tensor in stored.items():
+        np.testing.assert_array_equal(as_peft.state[name], tensor.numpy())
+    assert as_peft.config == json.loads((tmp_path / "stored" / "adapter_config.json").read_text())
+    np.testing.assert_allclose(trainer.score(as_peft, tokens), trainer.score(handed, tokens), atol=1e-7)
     trainer.unload("handed")

@@ -248,12 +248,17 @@ are 0.5 to 4), and finite, so that a scale from a file never overflows what it m
 
 
 def read_adapter_file(directory: Path) -> tuple[dict[str, torch.Tensor], float, int]:
-    """A saved adapter's tensors as named in the file, its LoRA scale (alpha / r) and rank. PEFT variants that scale
-    or shape LoRA differently are refused rather than applied wrongly; ``rank_pattern`` / ``alpha_pattern`` are
-    taken where they keep every module at the adapter's scale (fused projections, as ``stored`` writes them)."""
+    """A saved adapter's tensors as named in the file, its LoRA scale (alpha / r) and rank (``adapter_scale``)."""
     from safetensors.torch import load_file
 
-    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    scaling, rank = adapter_scale(json.loads((directory / ADAPTER_CONFIG).read_text()))
+    return load_file(str(directory / ADAPTER_WEIGHTS)), scaling, rank
+
+
+def adapter_scale(config: dict) -> tuple[float, int]:
+    """An ``adapter_config.json``'s LoRA scale (alpha / r) and rank. PEFT variants that scale or shape LoRA
+    differently are refused rather than applied wrongly; ``rank_pattern`` / ``alpha_pattern`` are taken where they
+    keep every module at the adapter's scale (fused projections, as ``stored`` writes them)."""
     unsupported = [key for key in ("use_rslora", "use_dora") if config.get(key)]
     if unsupported:
         raise UserError(f"adapter_config.json sets {', '.join(unsupported)}, which this server does not apply")
@@ -267,4 +272,4 @@ def read_adapter_file(directory: Path) -> tuple[dict[str, torch.Tensor], float, 
         if abs(module_alpha / module_rank - alpha / rank) > 1e-6 * alpha / rank:
             raise UserError(f"adapter_config.json scales {module} by {module_alpha:g}/{module_rank} and the rest by "
                             f"{alpha:g}/{rank}; this server applies one scale per adapter")
-    return load_file(str(directory / ADAPTER_WEIGHTS)), alpha / rank, rank
+    return alpha / rank, rank

@@ -3,7 +3,7 @@
 
 A backend holds one base model and serves sampling requests for it and for any LoRA adapter saved for sampling,
 loading adapters on demand — from their checkpoint directory, or from memory where the trainer handed them over
-(``AdapterTensors``) — and keeping a bounded number resident. Backends, each a
+(``AdapterTensors`` to the transformers sampler, ``PeftTensors`` to vLLM's) — and keeping a bounded number resident. Backends, each a
 subclass of ``SamplerBackend``: ``adapters.samplers.hf.sampler.TransformersSampler`` (CPU default, GPU fallback) and
 ``adapters.samplers.vllm.sampler.VLLMSampler`` (GPU, ``[gpu]`` extra). Each replica is a Ray actor around one
 (``adapters.samplers.replica.SamplerActor``), which ``adapters.samplers.pool`` creates from its import path and calls
@@ -13,13 +13,16 @@ through ``SamplerReplica`` alone: no backend is imported in the server process.
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from adapters.lora.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shims.sampling.job import SampleJob, SampleResult, TokenEvent
 
 OnToken = Callable[[TokenEvent], None]
@@ -48,13 +51,14 @@ class AdapterRef:
     directory: str
     version: int = 0
     tensors: Any = field(default=None, compare=False)
-    """The weights themselves where no directory holds them (``directory`` is then empty): an ``AdapterTensors``, or a
-    Ray object reference to one, which a backend fetches when it loads the adapter (``resolve``)."""
+    """The weights themselves where no directory holds them (``directory`` is then empty): an ``AdapterTensors`` or
+    ``PeftTensors``, or a Ray object reference to one, which a backend fetches when it loads the adapter
+    (``resolve``)."""
 
-    def resolve(self) -> AdapterTensors:
+    def resolve(self) -> AdapterTensors | PeftTensors:
         """``tensors`` fetched (from Ray's object store, where they are a reference; on the sampler's node, read in
         place)."""
-        if isinstance(self.tensors, AdapterTensors):
+        if isinstance(self.tensors, AdapterTensors | PeftTensors):
             return self.tensors
         import ray
 
@@ -74,6 +78,27 @@ class AdapterTensors:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
+
+
+@dataclass(frozen=True)
+class PeftTensors:
+    """A LoRA adapter's sampler directory held in memory instead of written (an unnamed save to vLLM's samplers,
+    which load PEFT directories): ``adapter_model.safetensors``'s tensors by their stored names, as numpy arrays, and
+    ``adapter_config.json`` as a dict — what ``save_for_sampler`` would have written."""
+
+    state: dict[str, np.ndarray]
+    config: dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.state.values())
+
+    def write(self, directory: Path) -> None:
+        """Write them as that directory (which exists), as ``save_for_sampler`` would have."""
+        from safetensors.numpy import save_file
+
+        save_file({name: np.ascontiguousarray(t) for name, t in self.state.items()}, str(directory / ADAPTER_WEIGHTS))
+        (directory / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True))
 
 
 @dataclass(frozen=True)
@@ -186,7 +211,9 @@ class ResidentAdapters:
 
     Every load gets a fresh slot id (an adapter name in PEFT, a ``lora_int_id`` in vLLM), so a reloaded adapter never
     reuses the id of weights that changed. Adapters in use by running requests are never evicted: when newer weights
-    arrive under a key still in use, the old slot is retired and unloaded once its last user releases it.
+    arrive under a key still in use, the old slot is retired and unloaded once its last user releases it. Retired
+    slots count toward ``capacity``, so a backend never holds more than ``capacity`` adapters (vLLM's CPU cache is
+    that size, and would otherwise evict one on its own).
     Thread-safe: the transformers backend acquires in a worker thread while metrics read ``keys`` elsewhere.
     """
 
@@ -218,7 +245,7 @@ class ResidentAdapters:
                     self._retired[slot.slot_id] = slot
                 else:
                     evicted.append(slot.slot_id)
-            while len(self._slots) >= self.capacity:
+            while len(self._slots) + len(self._retired) >= self.capacity:  # retired slots are still loaded
                 victim = next((k for k, s in self._slots.items() if not s.in_use), None)
                 if victim is None:
                     self._unload = evicted  # still owed to the backend

@@ -111,10 +111,11 @@ class SamplerPool:
         # The replicas started, so the base model itself is served where they run (torchvision included).
         return vllm_lora_refusal(config, on, facts.device, facts.dtype, torchvision=True)
 
-    def loads_from_memory(self, base_model: str) -> bool:
-        """Whether this base model's samplers load an unnamed save from memory (``AdapterTensors``): the transformers
-        backend does; vLLM reads adapters from a directory alone (vLLM 0.32 has no API that takes a LoRA's tensors)."""
-        return self.facts[base_model].backend == "transformers"
+    def takes_peft_tensors(self, base_model: str) -> bool:
+        """Whether this base model's samplers take weights handed in memory as a PEFT directory's contents
+        (``PeftTensors``: vLLM, which loads PEFT directories) rather than by the LoRA model's slot keys
+        (``AdapterTensors``: the transformers sampler, which shares the trainer's LoRA model code)."""
+        return self.facts[base_model].backend == "vllm"
 
     def _route(self, base: _BaseReplicas, adapter: AdapterRef | None) -> int:
         least = min(range(len(base.replicas)), key=lambda i: base.replicas[i].in_flight)

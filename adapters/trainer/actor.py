@@ -32,7 +32,7 @@ from adapters.cpu_memory import keep_freed
 from adapters.cpu_threads import PassThreads, set_torch_threads
 from adapters.lora.model import LoRAModel
 from adapters.models.resolve import is_vision_language, text_settings
-from adapters.samplers.interface import AdapterTensors
+from adapters.samplers.interface import AdapterTensors, PeftTensors
 from adapters.trainer.files import CheckpointFiles
 from adapters.trainer.forward import MixedForward
 from adapters.trainer.interface import (
@@ -204,13 +204,13 @@ class MultiLoRATrainer:
         """Several runs' optim steps (each run at most once); one outcome per request, in order (``.optim``)."""
         return self.optimizers.optim_steps(requests)
 
-    def score(self, weights: str | AdapterTensors | None, tokens: list[int]) -> list[float]:
+    def score(self, weights: str | AdapterTensors | PeftTensors | None, tokens: list[int]) -> list[float]:
         """Logprobs of ``tokens[1:]`` under the base model plus the adapter saved in the directory ``weights`` or
         handed in memory (None: the base model alone), computed exactly as ``forward`` computes them. Samplers'
         reported logprobs are checked against this to measure rollout-vs-train drift; the adapters being trained are
         not touched: the saved one is loaded as a temporary adapter, in no run's slot."""
         probe = None
-        if isinstance(weights, AdapterTensors):
+        if isinstance(weights, AdapterTensors | PeftTensors):
             probe = self._read_on_every_shard(lambda: self.files.staged_tensors(weights))
         elif weights is not None:
             directory = Path(weights)
@@ -231,10 +231,10 @@ class MultiLoRATrainer:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
         self.files.save_for_sampler(model_id, directory)
 
-    def sampler_tensors(self, model_id: str) -> tuple[int, AdapterTensors | None]:
-        """The adapter as samplers load it from memory (``adapters.trainer.files``), after its bytes; rank 0's, None
-        on the others (which take part in gathering split experts)."""
-        weights = self.files.sampler_tensors(model_id)
+    def sampler_tensors(self, model_id: str, peft: bool = False) -> tuple[int, AdapterTensors | PeftTensors | None]:
+        """The adapter as samplers load it from memory (``adapters.trainer.files``; ``peft``: as a PEFT directory's
+        contents), after its bytes; rank 0's, None on the others (which take part in gathering split experts)."""
+        weights = self.files.sampler_tensors(model_id, peft)
         return (weights.nbytes if weights else 0), weights
 
     def save_for_export(self, model_id: str, directory: str) -> None:

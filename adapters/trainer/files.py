@@ -15,11 +15,12 @@ import torch
 from adapters.disk import DiskFull, writing
 from adapters.lora.files import (
     AdapterNaming,
+    adapter_scale,
     read_adapter_file,
     whole_if_integer,
 )
 from adapters.lora.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE
-from adapters.samplers.interface import AdapterTensors
+from adapters.samplers.interface import AdapterTensors, PeftTensors
 from adapters.trainer import optimizer_state
 from adapters.trainer.interface import LoraSpec, read_lora_spec
 from adapters.trainer.parallelize import whole_tensors
@@ -47,27 +48,45 @@ class CheckpointFiles:
         PEFT loader turns into the trained model (``adapters.lora.files``: the stored naming)."""
         self._write_adapter(model_id, Path(directory), export=False)
 
-    def sampler_tensors(self, model_id: str) -> AdapterTensors | None:
-        """The adapter as samplers load it from memory (an unnamed save: nothing written), float32; on rank 0 (None on
-        the other shards, which take part in gathering split experts). On a CPU trainer the arrays are views of the
-        run's weights, not copies: Ray copies an actor call's answer into its object store as the call returns,
-        before the actor runs its next call (measured: 80 MiB handed over in 99 ms instead of 222 with a copy here
-        and one in the sampler); an in-process caller copies them if it trains on."""
+    def sampler_tensors(self, model_id: str, peft: bool = False) -> AdapterTensors | PeftTensors | None:
+        """The adapter as samplers load it from memory (an unnamed save: nothing written), float32 — by the LoRA
+        model's slot keys, or with ``peft`` as the PEFT directory ``save_for_sampler`` writes (vLLM's form); on rank 0
+        (None on the other shards, which take part in gathering split experts). On a CPU trainer the arrays are views
+        of the run's weights where the form allows, not copies: Ray copies an actor call's answer into its object
+        store as the call returns, before the actor runs its next call (measured: 80 MiB handed over in 99 ms instead
+        of 222 with a copy here and one in the sampler); an in-process caller copies them if it trains on."""
         adapter = self.table.get_run(model_id)
         tensors = _kept(lambda: whole_tensors(self.table.model, adapter.name, self.shards))
-        handed: list[AdapterTensors] = []
-        self._on_rank_zero(lambda: handed.append(AdapterTensors(
-            {key: (a.float().numpy(), b.float().numpy()) for key, (a, b) in tensors().items()},
-            adapter.scaling, adapter.spec.rank)))
+        handed: list[AdapterTensors | PeftTensors] = []
+
+        def hand() -> None:
+            floats = {key: (a.float(), b.float()) for key, (a, b) in tensors().items()}
+            if peft:
+                state, config = self._peft(floats, adapter.spec.rank, adapter.scaling, export=False)
+                handed.append(PeftTensors({name: t.numpy() for name, t in state.items()}, config))
+            else:
+                handed.append(AdapterTensors({key: (a.numpy(), b.numpy()) for key, (a, b) in floats.items()},
+                                             adapter.scaling, adapter.spec.rank))
+
+        self._on_rank_zero(hand)
         return handed[0] if handed else None
 
-    def staged_tensors(self, weights: AdapterTensors) -> Adapter:
+    def staged_tensors(self, weights: AdapterTensors | PeftTensors) -> Adapter:
         """A temporary adapter holding ``weights`` (handed in memory: ``sampler_tensors``), to score with."""
+        if isinstance(weights, PeftTensors):
+            scaling, rank = adapter_scale(weights.config)
+            state = {name: torch.from_numpy(t.copy()) for name, t in weights.state.items()}
+            return self._temporary(self.naming.read(state, rank), scaling, rank, LoraSpec(rank=rank, seed=0))
         tensors = {key: (torch.from_numpy(a.copy()), torch.from_numpy(b.copy())) for key, (a, b) in weights.pairs.items()}
+        return self._temporary(tensors, weights.scaling, weights.rank, LoraSpec(rank=weights.rank, seed=0))
+
+    def _temporary(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, rank: int,
+                   spec: LoraSpec) -> Adapter:
+        """A temporary adapter holding ``tensors``, on the weight groups they are on (``spec`` for the rest)."""
         groups = self.table.model.slot_groups(tensors)
-        spec = LoraSpec(rank=weights.rank, seed=0, train_attn="attn" in groups, train_mlp="mlp" in groups,
-                        train_unembed="unembed" in groups)
-        return self.table.temporary(spec, tensors, weights.scaling)
+        spec = replace(spec, rank=rank, train_attn="attn" in groups, train_mlp="mlp" in groups,
+                       train_unembed="unembed" in groups)
+        return self.table.temporary(spec, tensors, scaling)
 
     def save_for_export(self, model_id: str, directory: str) -> None:
         """Write the adapter for download, named as hosted Tinker names it (``adapters.lora.files``)."""
@@ -98,18 +117,29 @@ class CheckpointFiles:
 
     def _write(self, out: Path, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, scaling: float,
                export: bool) -> None:
-        from peft import LoraConfig
         from safetensors.torch import save_file
+
+        state, config = self._peft(tensors, rank, scaling, export)
+        with writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
+            (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+    def _peft(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, scaling: float,
+              export: bool) -> tuple[dict[str, torch.Tensor], dict]:
+        """A PEFT directory's contents: the tensors by the stored (or, ``export``, hosted Tinker's) names, and
+        ``adapter_config.json`` as PEFT's ``LoraConfig`` writes it."""
+        from peft import LoraConfig
 
         state = self.naming.exported(tensors) if export else self.naming.stored(tensors)
         alpha = whole_if_integer(scaling * rank)
         config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                             base_model_name_or_path=self.location,
                             **self.naming.peft_settings(list(tensors), rank, alpha, export))
-        with writing(out):
-            out.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
-            config.save_pretrained(str(out))
+        # Plain JSON values (PEFT's enums as their strings): whoever reads the dict (a server writing a save's
+        # files) needs no PEFT to unpickle it.
+        return state, json.loads(json.dumps({key: sorted(value) if isinstance(value, set) else value
+                                             for key, value in config.to_dict().items()}))
 
     def import_adapter(self, source: Path, spec: LoraSpec, out: Path) -> None:
         """Check that an adapter made elsewhere (an upload: hosted Tinker's export naming, or PEFT's own) is a LoRA
@@ -207,14 +237,11 @@ class CheckpointFiles:
         try:
             state, scaling, rank = read_adapter_file(src)
             tensors = self.naming.read(state, rank)
-            groups = self.table.model.slot_groups(tensors)
-            spec = replace(spec, rank=rank, train_attn="attn" in groups, train_mlp="mlp" in groups,
-                           train_unembed="unembed" in groups)
+            staged = self._temporary(tensors, scaling, rank, spec)
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever a bad checkpoint raises, it is the caller's to fix
             raise UserError(f"checkpoint {src.name} could not be loaded: {exc}") from None
-        staged = self.table.temporary(spec, tensors, scaling)
         try:
             if with_optimizer:
                 # On the CPU: each shard keeps its part, which load_state_dict moves to the device.

@@ -15,7 +15,7 @@ import numpy as np
 
 from adapters.boundary import by_reference, on_rank_zero
 from adapters.lora.layout import ADAPTER_CONFIG, TRAINER_STATE
-from adapters.samplers.interface import AdapterTensors
+from adapters.samplers.interface import AdapterTensors, PeftTensors
 from shims.custom_loss.graph import CustomLoss
 from shims.errors import UserError
 from shims.tinker.training_wire import DatumArrays
@@ -222,10 +222,11 @@ class Trainer(Protocol):
         ...
 
     @by_reference
-    async def sampler_tensors(self, model_id: str) -> tuple[int, AdapterTensors | None]:
+    async def sampler_tensors(self, model_id: str, peft: bool = False) -> tuple[int, AdapterTensors | PeftTensors | None]:
         """A run's adapter as samplers load it from memory (an unnamed save: nothing written): its bytes, and the
-        weights, which the caller gets as a Ray reference it owns, to hand to the samplers unread. On every shard, as
-        ``save_for_sampler``; rank 0's answer is the group's."""
+        weights — by the LoRA model's slot keys, or with ``peft`` as the PEFT directory's contents — which the caller
+        gets as a Ray reference it owns, to hand to the samplers unread. On every shard, as ``save_for_sampler``; rank
+        0's answer is the group's."""
         ...
 
     async def save_for_export(self, model_id: str, directory: str) -> None:
@@ -249,7 +250,7 @@ class Trainer(Protocol):
         """Replace (or create) a run's adapter with the checkpoint in ``directory``; returns the layout loaded."""
         ...
 
-    async def score(self, weights: str | AdapterTensors | None, tokens: list[int]) -> list[float]:
+    async def score(self, weights: str | AdapterTensors | PeftTensors | None, tokens: list[int]) -> list[float]:
         """Logprobs of ``tokens[1:]`` under the base model plus the adapter saved in the directory ``weights`` or
         handed in memory (None: the base model alone); no run is touched."""
         ...

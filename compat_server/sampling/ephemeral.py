@@ -1,11 +1,11 @@
 """Unnamed sampler saves (``save_weights_and_get_sampling_client``): where they are held, how many are kept, and the
 latest ``inflight`` weights of each training model.
 
-Where the samplers load from memory (the transformers backend) they are held in memory, as Ray objects the server owns
-(the reference the trainer call returned: ``adapters.boundary.by_reference``): nothing is written. For vLLM's samplers,
-which read a directory, they are written under ``DATA_DIR/ephemeral``. Neither outlives the process that made them
-(their training model does not either): the directory is emptied at start, and only the last ``keep`` saves per
-training model are kept.
+They are held in memory, as Ray objects the server owns (the reference the trainer call returned:
+``adapters.boundary.by_reference``), in the form the samplers load (``SamplerPool.takes_peft_tensors``): nothing is
+written. A save larger than the memory allowed is written under ``DATA_DIR/ephemeral`` instead. Neither outlives the
+process that made them (their training model does not either): the directory is emptied at start, and only the last
+``keep`` saves per training model are kept.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ class SamplingOptions:
              "%(default)s)")
     ephemeral_memory_mb: int = option(
         512, check=at_least(0),
-        help="MiB of unnamed sampler saves held in memory for transformers samplers (Ray's object store: "
+        help="MiB of unnamed sampler saves held in memory for the samplers (Ray's object store: "
              "--ray-object-store-mb), the oldest pushed out first; a save larger than this is written under the data "
-             "directory instead, as vLLM samplers' are (default: %(default)s)")
+             "directory instead; 0: always written (default: %(default)s)")
     stability_ttl: float = option(
         86400.0, check=ABOVE_ZERO,
         help="seconds that stability info recorded at sampling (record_stability_info, for the stable_reinforce "

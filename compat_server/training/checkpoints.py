@@ -153,13 +153,14 @@ class CheckpointCalls:
 
     async def _save_unnamed_for_sampler(self, owner: str, row: dict, req: types.SaveWeightsForSamplerRequest) -> Payload:
         """``save_weights_and_get_sampling_client``: weights saved outside the checkpoint listing, and a sampling
-        session over them that can sample at once. Where the samplers load from memory, the weights go to them in
-        memory, nothing written (``compat_server.sampling.ephemeral``)."""
+        session over them that can sample at once. The weights go to the samplers in memory, in the form they load,
+        nothing written, unless they are more than memory allows (``compat_server.sampling.ephemeral``)."""
         ephemeral = self.sampling.ephemeral
-        if self.sampling.samplers.loads_from_memory(row["base_model"]) and ephemeral.may_hold(row["id"]):
+        if ephemeral.may_hold(row["id"]):
             # The weights stay in Ray's object store where the trainer put them, owned by this process (they
             # outlive the trainer); each sampler replica fetches them from there (``adapters.boundary.by_reference``).
-            nbytes, held = await self._trainer(row).sampler_tensors(row["id"])
+            peft = self.sampling.samplers.takes_peft_tensors(row["base_model"])
+            nbytes, held = await self._trainer(row).sampler_tensors(row["id"], peft)
             ephemeral.sized(row["id"], nbytes)
             if ephemeral.fits(nbytes):
                 sampler_id = self.sampling.sessions.register_ephemeral(

@@ -18,13 +18,20 @@ import torch
 
 from adapters.batching import Coalescer
 from adapters.cpu_threads import set_torch_threads
-from adapters.lora.files import read_adapter_file
+from adapters.lora.files import adapter_scale, read_adapter_file
 from adapters.lora.linear import with_tied_input_side
 from adapters.lora.model import LoRAModel
 from adapters.models.resolve import is_vision_language, resolve_dtype, text_settings
 from adapters.samplers.grammar import JsonGrammars, check_constraint
 from adapters.samplers.hf.decode import BatchDecoder, BatchRequest
-from adapters.samplers.interface import AdapterRef, OnToken, ResidentAdapters, SamplerBackend, SamplerFacts
+from adapters.samplers.interface import (
+    AdapterRef,
+    OnToken,
+    PeftTensors,
+    ResidentAdapters,
+    SamplerBackend,
+    SamplerFacts,
+)
 from adapters.samplers.options import SamplerOptions
 from shims.errors import UserError
 from shims.sampling.job import SampleJob, SampleResult
@@ -142,15 +149,21 @@ class TransformersSampler(SamplerBackend):
         name = f"slot_{slot.slot_id}"
         if slot.load:
             try:
-                if ref.tensors is not None:  # handed in memory: the LoRA model's own slot keys
+                if ref.tensors is not None:  # handed in memory: by the LoRA model's own slot keys, or as PEFT's
                     weights = ref.resolve()
                     # Read in place: the object store's memory on this node, read-only (nothing here writes a LoRA
                     # weight), kept while the adapter is resident; on a GPU the parameters are copies on it.
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", UserWarning)  # torch's warning about read-only arrays
-                        tensors = {key: (torch.from_numpy(a), torch.from_numpy(b))
-                                   for key, (a, b) in weights.pairs.items()}
-                    self.model.put(name, tensors, weights.scaling)
+                        if isinstance(weights, PeftTensors):
+                            scaling, rank = adapter_scale(weights.config)
+                            tensors = self.naming.read({k: torch.from_numpy(t) for k, t in weights.state.items()},
+                                                       rank)
+                        else:
+                            scaling = weights.scaling
+                            tensors = {key: (torch.from_numpy(a), torch.from_numpy(b))
+                                       for key, (a, b) in weights.pairs.items()}
+                    self.model.put(name, tensors, scaling)
                 else:
                     state, scaling, rank = read_adapter_file(Path(ref.directory))
                     self.model.put(name, self.naming.read(state, rank), scaling)

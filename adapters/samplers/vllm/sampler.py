@@ -2,7 +2,8 @@
 
 vLLM does the batching (continuous batching across every concurrent request and adapter). An adapter is loaded into
 the engine ahead of its request (``add_lora``), so a file that cannot be loaded fails that request alone, as a user
-error, and never enters a batch with others. ``ResidentAdapters`` bounds how many stay loaded and evicts the least
+error, and never enters a batch with others; weights handed over in memory are given to the engine through shared
+memory, never a disk (``adapters.samplers.vllm.adapter_files``). ``ResidentAdapters`` bounds how many stay loaded and evicts the least
 recently used with ``remove_lora``; a later request for an evicted adapter loads it again. Logprobs are vLLM's raw
 logprobs (before temperature and filtering), the numbers the trainer's ``forward`` computes for the same tokens, under
 an output constraint too (``adapters.samplers.vllm.patches`` keeps them from being computed on the grammar-masked
@@ -18,12 +19,11 @@ and Ray starts a fresh replica.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 from adapters.models.resolve import resolve_dtype
 from adapters.samplers.grammar import check_constraint
@@ -33,12 +33,14 @@ from adapters.samplers.interface import (
     AllAdaptersBusy,
     EngineDead,
     OnToken,
+    PeftTensors,
     ResidentAdapters,
     Restarting,
     SamplerBackend,
     SamplerFacts,
 )
 from adapters.samplers.options import SamplerOptions
+from adapters.samplers.vllm.adapter_files import check_rank, read_config, written
 from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
 from adapters.samplers.vllm.parallel import THREADS_BIND, CannotBind, cpu_threads_bind, kv_cache_bytes_per_worker
 from adapters.samplers.vllm.results import CollectedOutputs
@@ -227,7 +229,8 @@ class VLLMSampler(SamplerBackend):
         from vllm.lora.request import LoRARequest
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        _check_adapter(adapter, self.max_lora_rank)
+        if adapter.tensors is None:
+            check_rank(adapter.key, read_config(adapter), self.max_lora_rank)
         slot = await self._acquire(adapter)
         try:
             for evicted in slot.evicted:
@@ -237,10 +240,14 @@ class VLLMSampler(SamplerBackend):
             # Named by its slot, like the transformers sampler's slots: every load gets a fresh slot id, so the name
             # is unique per load. vLLM's prefix cache keys on it, and KV computed with older weights under the same
             # adapter key must never be reused for newer ones.
-            lora = LoRARequest(f"slot_{slot.slot_id}", slot.slot_id, adapter.directory)
+            # Weights handed in memory have no directory once loaded: an absolute path that never exists stands
+            # for it (vLLM reads nothing from it, and tries no download for it as for a relative one).
+            lora = LoRARequest(f"slot_{slot.slot_id}", slot.slot_id,
+                               adapter.directory or f"/compat-server/in-memory/slot_{slot.slot_id}")
             if slot.load:
-                await self.engine.add_lora(lora)
-                log.info("adapter loaded into vLLM sampler: %s (lora id %d)", adapter.key, slot.slot_id,
+                await self._add(lora, adapter)
+                log.info("adapter loaded into vLLM sampler: %s (lora id %d%s)", adapter.key, slot.slot_id,
+                         ", in memory" if adapter.tensors is not None else "",
                          extra={"event": "adapter_loaded", "adapter": adapter.key, "slot": slot.slot_id})
             return lora, slot.slot_id
         except EngineDeadError:
@@ -250,6 +257,23 @@ class VLLMSampler(SamplerBackend):
             self.adapters.release(adapter.key, slot.slot_id)
             self.adapters.forget(adapter.key, slot.slot_id)
             raise UserError(f"sampler weights {adapter.key} could not be loaded by vLLM: {exc}") from None
+
+    async def _add(self, lora, adapter: AdapterRef) -> None:
+        """Load ``adapter`` into the engine: from its directory, or, handed in memory, from a directory in shared
+        memory that lives only while vLLM reads it (``adapters.samplers.vllm.adapter_files``)."""
+        if adapter.tensors is None:
+            await self.engine.add_lora(lora)
+            return
+        weights = await asyncio.to_thread(adapter.resolve)
+        if not isinstance(weights, PeftTensors):  # the server hands vLLM's samplers a PEFT directory's contents
+            raise UserError(f"sampler weights {adapter.key} were handed by the LoRA model's slot keys, which vLLM's "
+                            "sampler cannot load")
+        check_rank(adapter.key, weights.config, self.max_lora_rank)
+        directory = await asyncio.to_thread(written, weights, adapter.key)
+        try:
+            await self.engine.add_lora(type(lora)(lora.lora_name, lora.lora_int_id, str(directory)))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     async def _acquire(self, adapter: AdapterRef) -> Acquired:
         """Reserve a resident slot, waiting while every resident adapter serves a running request."""
@@ -313,18 +337,3 @@ def _token_counter(sampler: VLLMSampler):
             pass
 
     return DecodedTokens
-
-
-def _check_adapter(adapter: AdapterRef, max_rank: int) -> None:
-    """A user error, before anything is loaded, for sampler weights that are missing, unreadable or of a rank the
-    engine was not started for."""
-    if adapter.tensors is not None:  # the server hands vLLM's samplers directories alone (SamplerPool)
-        raise UserError(f"sampler weights {adapter.key} were handed in memory, which vLLM's sampler cannot load")
-    config = Path(adapter.directory) / "adapter_config.json"
-    try:
-        rank = int(json.loads(config.read_text())["r"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"sampler weights {adapter.key} could not be loaded: {config} is missing or unreadable "
-                        f"({type(exc).__name__})") from None
-    if rank > max_rank:
-        raise UserError(f"LoRA rank {rank} of {adapter.key} exceeds this sampler's --max-lora-rank {max_rank}")
