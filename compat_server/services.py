@@ -113,9 +113,13 @@ def _init_ray(config: ServerConfig) -> None:
         # Ray CPUs are logical: ask for at least what the configured actors reserve, or they could never be placed.
         per_model = config.trainer.cpus * config.trainer.shards + config.sampler.count * config.sampler.cpus
         cpus = math.ceil(per_model * len(config.base_models))
+        # The object store's pages touched once at start (``--no-ray-preallocate-object-store``): a hand-off copies
+        # the weights into it, and writing fresh pages cost more than the copy itself (bench/RESULTS.md, "RL
+        # hand-off").
         ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, cpus), resources=needed or None,
                  object_store_memory=config.ray_object_store_mb * 1024 * 1024, include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
+                 log_to_driver=True, configure_logging=False,
+                 _system_config={"preallocate_plasma_memory": config.ray_preallocate_object_store})
         watchdog.start()  # the private instance's processes end with this one, even after kill -9
 
 
