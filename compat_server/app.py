@@ -82,6 +82,11 @@ def create_app(config: ServerConfig, services: Services | None = None) -> Litest
     async def shutdown(app: Litestar) -> None:
         services: Services | None = getattr(app.state, "services", None)
         if services is not None:
+            # Named saves whose files are still being written: their clients wait for them (a minute at most).
+            unfinished = await services.scheduler.finish_pending(timeout=60.0)
+            if unfinished:
+                log.warning("stopping with %d named saves still being written: their futures stay unanswered, and "
+                            "nothing of them is kept", unfinished)
             services.stop()
         if ray.is_initialized() and not os.environ.get("COMPAT_SERVER_KEEP_RAY"):
             ray.shutdown()

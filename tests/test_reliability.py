@@ -26,6 +26,7 @@ from tests.helpers import (
     ADAM,
     BASE_MODEL,
     MAIN_KEY,
+    checkpoint_dir,
     crash_the_trainer,
     forward_logprobs,
     make_datum,
@@ -66,6 +67,9 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
         train(client, datum, 3)
         state = client.save_state("before-crash").result().path
         sampler_path = client.save_weights_for_sampler("before-crash").result().path
+        # Written after its turn in the run's order, but answered only once durable: its files are in place now.
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= {
+            p.name for p in checkpoint_dir(data_dir, sampler_path).iterdir()}
         # What the step after the checkpoint does, to check exact resumption against.
         expected_loss = client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
         client.optim_step(ADAM).result()
@@ -80,6 +84,7 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
         _result(server.base_url, finished)  # complete before the server dies (one long-poll may say try again)
         in_flight = [asample(1500) for _ in range(4)]  # long enough to be running when the server dies
         time.sleep(0.5)
+        client.save_weights_for_sampler("at-crash")  # the kill comes as it is handed over or written, or after
         half_written = data_dir / "checkpoints" / run_id / "weights" / "torn" / ".staging-0000"
         half_written.mkdir(parents=True)
         (half_written / "adapter_model.safetensors").write_bytes(b"torn")
@@ -92,7 +97,11 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
         rest = tinker.RestClient(base_url=server.base_url, api_key=KEY)
         assert run_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
         listed = {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
-        assert listed == {state, sampler_path}  # the torn one never appears
+        at_crash = sampler_path.replace("before-crash", "at-crash")
+        assert listed - {at_crash} == {state, sampler_path}  # the torn one never appears
+        assert not list((data_dir / "checkpoints").rglob(".staging-*"))  # nor what the crash left half written
+        if at_crash in listed:  # its files were durable before the kill: whole
+            assert (checkpoint_dir(data_dir, at_crash) / "adapter_model.safetensors").stat().st_size > 0
         assert rest.list_sessions().result().sessions
 
         def retrieve(request_id: str) -> httpx.Response:
@@ -113,6 +122,9 @@ def test_kill_9_mid_training_loses_nothing_that_was_written(model_cache, tmp_pat
         np.testing.assert_allclose(forward_logprobs(resumed, datum), expected_logprobs, atol=1e-6)
         sampler = service.create_sampling_client(model_path=sampler_path).result()
         assert sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result()
+        if at_crash in listed:
+            sampler = service.create_sampling_client(model_path=at_crash).result()
+            assert sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result()
         service.close("success")
     finally:
         server.stop()

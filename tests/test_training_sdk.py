@@ -20,6 +20,8 @@ from tests.helpers import (
     expect_user_error,
     forward_logprobs,
     make_datum,
+    one_request,
+    poll_future,
     reference_logprobs,
     reference_peft_model,
     train,
@@ -151,6 +153,40 @@ def test_save_state_overwrite_replaces_the_checkpoint_of_that_name(service_clien
     assert [c.tinker_path for c in listed].count(first) == 1
     loaded = service_client.create_training_client_from_state(first).result()
     np.testing.assert_allclose(forward_logprobs(loaded, datum), newer, atol=1e-6, rtol=0)
+
+
+def test_named_sampler_saves_in_flight_keep_their_names_and_weights(service_client, server, datum):
+    """Named sampler saves are written after their turn in the run's order, while the run goes on: requests sent back
+    to back with their seq ids (the SDK numbers a save only once its event loop sends it, so raw HTTP fixes the
+    order) — forward_backward, a save, the same name again, optim_step, another save — give the first save the
+    weights of its turn (the untrained LoRA: the base model's), a user error to the repeated name, and the second
+    save the trained weights."""
+    run = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=6).result()
+    url, headers = server.base_url, {"X-API-Key": MAIN_KEY}
+
+    def post(path: str, body: dict) -> str:
+        answer = httpx.post(f"{url}/api/v1/{path}", headers=headers, json={"model_id": run.model_id, **body},
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["request_id"]
+
+    sent = [one_request(url, MAIN_KEY, run.model_id, 1, [datum]),
+            post("save_weights_for_sampler", {"path": "twice", "seq_id": 2}),
+            post("save_weights_for_sampler", {"path": "twice", "seq_id": 3}),
+            post("optim_step", {"seq_id": 4, "adam_params": {"learning_rate": 1e-2}}),
+            post("save_weights_for_sampler", {"path": "trained", "seq_id": 5})]
+    _, first, repeated, _, second = (poll_future(url, request_id, MAIN_KEY) for request_id in sent)
+    assert "already exists" in repeated["error"] and repeated["category"] == "user"
+    tokens = types.ModelInput.from_ints(PROMPT + COMPLETION)
+
+    def logprobs(**where) -> np.ndarray:
+        return np.asarray(service_client.create_sampling_client(**where).result().compute_logprobs(tokens).result()[1:])
+
+    base = logprobs(base_model=BASE_MODEL)
+    np.testing.assert_allclose(logprobs(model_path=first["path"]), base, atol=1e-5)
+    assert np.abs(logprobs(model_path=second["path"]) - base).max() > 1e-3
+    listed = tinker.RestClient(base_url=url, api_key=MAIN_KEY).list_checkpoints(run.model_id).result().checkpoints
+    assert sorted(c.tinker_path for c in listed) == sorted([first["path"], second["path"]])
 
 
 def test_pipelined_submission_equals_waiting(service_client, datum):

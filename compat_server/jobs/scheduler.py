@@ -26,7 +26,16 @@ from shims.errors import UserError
 
 log = logging.getLogger("compat_server.scheduler")
 
-Job = Callable[[], Awaitable[Payload]]
+@dataclass(frozen=True)
+class Finishing:
+    """What a job answers when its turn in the model's order is over but its result is not ready yet: ``rest``
+    finishes it outside the order (a named save's files, written while the run's next requests run), and the future
+    resolves with what ``rest`` returns, or fails with what it raises, as it would for the job itself."""
+
+    rest: Awaitable[Payload]
+
+
+Job = Callable[[], Awaitable[Payload | Finishing]]
 
 
 @dataclass
@@ -76,6 +85,8 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._unordered: dict[str, asyncio.Task] = {}
         """Running jobs outside any model's order (samples), by request id: what ``cancel`` can stop."""
+        self._finishing: set[asyncio.Task] = set()
+        """Jobs finishing after their turn (``Finishing``): what a graceful stop waits for."""
 
     def submit(self, *, owner: str, kind: str, job: Job, model_id: str | None = None, seq_id: int | None = None,
                idempotency_key: str | None = None, poll_group: str | None = None) -> str:
@@ -140,23 +151,49 @@ class Scheduler:
 
     async def _run(self, queued: _Queued) -> None:
         queued.queued.end()
-        request_id = queued.request_id
-        told = waits.listener.set(lambda reason: self.hub.waiting(request_id, reason))  # the pools say it waits
-        with tracer.start_as_current_span(queued.kind, context=queued.context,
+        told = waits.listener.set(lambda reason: self.hub.waiting(queued.request_id, reason))  # the pools say it waits
+        try:
+            with tracer.start_as_current_span(queued.kind, context=queued.context,
+                                              attributes=queued.attributes) as span:
+                finishing = await self._settle(queued, queued.job(), span)
+        finally:
+            waits.listener.reset(told)
+        if finishing is not None:
+            task = self._spawn(self._finish(queued, finishing.rest))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, queued: _Queued, rest: Awaitable[Payload]) -> None:
+        with tracer.start_as_current_span(f"{queued.kind}.finish", context=queued.context,
                                           attributes=queued.attributes) as span:
-            try:
-                payload = await queued.job()
-            except UserError as exc:
-                span.set_attribute("compat_server.error", str(exc))
-                self.hub.fail(request_id, str(exc), "user")
-            except Exception as exc:
-                log.exception("request %s (%s) failed", request_id, queued.kind)
-                span.set_status(StatusCode.ERROR, str(exc))
-                self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
-            else:
-                self.hub.complete(request_id, payload)
-            finally:
-                waits.listener.reset(told)
+            if await self._settle(queued, rest, span) is not None:
+                self.hub.fail(queued.request_id, "a job finishing after its turn answered Finishing again", "server")
+
+    async def _settle(self, queued: _Queued, work: Awaitable[Payload | Finishing], span: Span) -> Finishing | None:
+        """Await ``work`` and record its outcome in the future; a ``Finishing`` answer is returned instead."""
+        request_id = queued.request_id
+        try:
+            payload = await work
+        except UserError as exc:
+            span.set_attribute("compat_server.error", str(exc))
+            self.hub.fail(request_id, str(exc), "user")
+        except Exception as exc:
+            log.exception("request %s (%s) failed", request_id, queued.kind)
+            span.set_status(StatusCode.ERROR, str(exc))
+            self.hub.fail(request_id, f"{type(exc).__name__}: {exc}", "server")
+        else:
+            if isinstance(payload, Finishing):
+                return payload
+            self.hub.complete(request_id, payload)
+        return None
+
+    async def finish_pending(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the jobs still finishing after their turn (a graceful stop: a named
+        save whose files are being written); returns how many did not finish."""
+        if not self._finishing:
+            return 0
+        _, pending = await asyncio.wait(set(self._finishing), timeout=timeout)
+        return len(pending)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running sample (``cancel_future``): its sampler work is cancelled, as for an OpenAI client that

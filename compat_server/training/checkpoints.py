@@ -12,10 +12,11 @@ from pathlib import Path
 
 from tinker import types
 
-from adapters.disk import DiskFull
+from adapters.disk import DiskFull, writing
 from adapters.lora.layout import read_saved_step
 from adapters.trainer.interface import LoraSpec, Trainer, read_lora_spec
 from compat_server.jobs.futures import Payload
+from compat_server.jobs.scheduler import Finishing
 from compat_server.runs.checkpoint_store import CheckpointStore, parse_path, tinker_path
 from compat_server.runs.encryption import encrypt_directory, parse_recipients
 from compat_server.sampling.service import SamplingService
@@ -46,6 +47,10 @@ class CheckpointCalls:
         self.scheduler = core.scheduler
         self.checkpoints = checkpoints
         self.sampling = sampling
+        self._writing: dict[str, asyncio.Task] = {}
+        """Each run's named sampler save whose files are being written after its turn (``_save_named_for_sampler``)."""
+        self._naming: set[str] = set()
+        """The tinker paths of those saves: taken, though not yet recorded."""
 
     async def reload_after_restart(self, base_model: str) -> None:
         """The base model's trainer crashed and came back empty: put every active run back from its latest training
@@ -122,14 +127,50 @@ class CheckpointCalls:
         return self.core.ordered(owner, "save_weights", req.model_id, req.seq_id, idem, job)
 
     def save_weights_for_sampler(self, owner: str, req: types.SaveWeightsForSamplerRequest, idem: str | None) -> dict:
-        async def job(row: dict) -> Payload:
+        async def job(row: dict) -> Payload | Finishing:
             if req.path is None:
                 return await self._save_unnamed_for_sampler(owner, row, req)
-            path = await self._save(owner, row, "sampler", req.path, self._trainer(row).save_for_sampler, False,
-                                    req.ttl_seconds, req.user_metadata)
-            return json_payload(types.SaveWeightsForSamplerResponse(path=path, type="save_weights_for_sampler"))
+            if self.sampling.ephemeral.memory_bytes == 0:  # no weights in memory (--ephemeral-memory-mb 0): files
+                path = await self._save(owner, row, "sampler", req.path, self._trainer(row).save_for_sampler, False,
+                                        req.ttl_seconds, req.user_metadata)
+                return json_payload(types.SaveWeightsForSamplerResponse(path=path, type="save_weights_for_sampler"))
+            return await self._save_named_for_sampler(owner, row, req)
 
         return self.core.ordered(owner, "save_weights_for_sampler", req.model_id, req.seq_id, idem, job)
+
+    async def _save_named_for_sampler(self, owner: str, row: dict, req: types.SaveWeightsForSamplerRequest) -> Finishing:
+        """A named sampler save off the run's order: in its turn the trainer hands the weights over in memory (Ray's
+        object store, as for an unnamed save), and the run's next requests go on at once; the files are written from
+        that copy after the turn, and the future resolves only once they are durable and recorded (a crash before
+        then loses nothing that was acknowledged). One such write per run at a time: a run's next named save waits
+        for the last one's files, so their memory never piles up."""
+        model_id = row["id"]
+        path = tinker_path(model_id, "sampler", req.path)
+        if self.records.checkpoints.live_checkpoint(path) is not None or path in self._naming:
+            raise UserError(f"checkpoint {path} already exists; choose another name")
+        if (previous := self._writing.get(model_id)) is not None:
+            await asyncio.wait([previous])
+        _, held = await self._trainer(row).sampler_tensors(model_id, True)
+        self._naming.add(path)
+
+        async def write(_model_id: str, directory: str) -> None:
+            weights = await held  # on this process's node: read in place from the object store
+            with writing(Path(directory)):
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                await asyncio.to_thread(weights.write, Path(directory))
+
+        async def finish() -> Payload:
+            try:
+                saved = await self._save(owner, row, "sampler", req.path, write, False, req.ttl_seconds,
+                                         req.user_metadata)
+            finally:
+                self._naming.discard(path)
+            return json_payload(types.SaveWeightsForSamplerResponse(path=saved, type="save_weights_for_sampler"))
+
+        task = self._writing[model_id] = asyncio.ensure_future(finish())
+        task.add_done_callback(lambda done: self._writing.pop(model_id, None) if self._writing.get(model_id) is done
+                               else None)
+        return Finishing(task)
 
     def save_weights_external(self, owner: str, req: types.SaveWeightsExternalRequest, idem: str | None) -> dict:
         """The adapter under ``external_weights/``, for download with ``get_external_weights_urls``, its tensors
