@@ -86,7 +86,7 @@ def create_app(config: ServerConfig, services: Services | None = None) -> Litest
             unfinished = await services.scheduler.finish_pending(timeout=60.0)
             if unfinished:
                 log.warning("stopping with %d named saves still being written: their futures stay unanswered, and "
-                            "nothing of them is kept", unfinished)
+                            "they are not listed", unfinished)
             services.stop()
         if ray.is_initialized() and not os.environ.get("COMPAT_SERVER_KEEP_RAY"):
             ray.shutdown()

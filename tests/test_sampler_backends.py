@@ -228,6 +228,55 @@ def test_weights_handed_in_memory_sample_as_their_files(make_sampler, trained, t
         assert len(written) == 2 and all(directory.parent == tmp_path for directory in written)
 
 
+def test_requests_arriving_together_for_new_weights_in_memory_all_get_them(make_sampler, trained, monkeypatch):
+    """The RL pattern: right after a hand-off a client sends many samples at once, all for weights no replica holds
+    yet. Each must wait for the one load (on vLLM a request that reached the engine first would have it look for the
+    weights at a directory that does not exist, which kills the engine; the load is slowed here so that they would),
+    and all score as the files."""
+    sampler = make_sampler()
+    if make_sampler.backend == "vllm":
+        import time
+
+        import adapters.samplers.vllm.sampler as vllm_sampler
+
+        written = vllm_sampler.written
+        monkeypatch.setattr(vllm_sampler, "written", lambda *args: time.sleep(1.0) or written(*args))
+    ref = trained[0][0]
+    as_peft = trained[1][0][1]
+    expected = run(sampler.sample(ref, scoring_job())).prompt.logprobs[1:]
+    fresh = AdapterRef(key="arriving together", directory="", version=1, tensors=as_peft.tensors)
+
+    async def together():
+        return await asyncio.gather(*(sampler.sample(fresh, scoring_job()) for _ in range(4)))
+
+    for result in run(together()):
+        np.testing.assert_allclose(result.prompt.logprobs[1:], expected, atol=1e-6)
+
+
+def test_one_keys_two_versions_beside_a_full_set_of_adapters(make_sampler, adapters):
+    """An inflight client's requests on both sides of a hand-off, in one batch with as many other adapters as may be
+    resident: the old version's slot stays loaded while its request runs, so the batch must not take them all at
+    once (it failed every request of the batch as a server error); each gets its own weights."""
+    sampler = make_sampler()
+    a, b = adapters
+    capacity = sampler.facts().max_resident
+    refs = [AdapterRef("inflight", a.directory, version=1), AdapterRef("inflight", b.directory, version=2),
+            *(AdapterRef(f"other {i}", (a, b)[i % 2].directory) for i in range(capacity - 1))]
+    directories = [r.directory for r in refs]
+    expected = {d: run(sampler.sample(AdapterRef(f"direct {d}", d), scoring_job())).prompt.logprobs[1:]
+                for d in set(directories)}
+
+    async def together():
+        return await asyncio.gather(*(sampler.sample(r, scoring_job()) for r in refs), return_exceptions=True)
+
+    results = run(together())
+    assert [type(r).__name__ for r in results if isinstance(r, BaseException)] == []
+    # The old version may have been superseded before its request ran (it then gets the newer weights, as a resident
+    # adapter does); every other request gets exactly its own.
+    for ref, result in list(zip(refs, results, strict=True))[1:]:
+        np.testing.assert_allclose(result.prompt.logprobs[1:], expected[ref.directory], atol=1e-5)
+
+
 def test_seeded_samples_do_not_depend_on_batch_company(make_sampler):
     sampler = make_sampler()
     job = SampleJob(prompt=PROMPT, num_samples=3, max_tokens=8, temperature=1.0, seed=7, stop_at_eos=False)

@@ -21,7 +21,8 @@ MODEL_CODE = (
     "adapters.trainer.dimuon", "adapters.lora.model", "adapters.lora.linear", "adapters.lora.experts",
     "adapters.lora.routing", "adapters.lora.targets", "adapters.lora.files", "adapters.samplers.hf",
     "adapters.samplers.grammar", "adapters.samplers.replica", "adapters.samplers.vllm.sampler",
-    "adapters.samplers.vllm.patches", "adapters.samplers.vllm.results", "vllm", "peft",
+    "adapters.samplers.vllm.patches", "adapters.samplers.vllm.results", "adapters.samplers.vllm.requests",
+    "adapters.samplers.vllm.adapter_files", "vllm", "peft",
 )
 """What runs inside the trainer and sampler actors: the trainer and its parts, the LoRA modules, the sampler
 backends (and the actor class that holds one), vLLM and PEFT. A package listed stands for its submodules too."""

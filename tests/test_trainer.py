@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from peft import LoraConfig
 from safetensors.torch import load_file
 
 from adapters.trainer.actor import AdamHyper, LoraSpec, MultiLoRATrainer
@@ -272,5 +273,8 @@ def test_an_adapter_handed_in_memory_is_the_one_its_files_hold(trainer, tmp_path
     for name, tensor in stored.items():
         np.testing.assert_array_equal(as_peft.state[name], tensor.numpy())
     assert as_peft.config == json.loads((tmp_path / "stored" / "adapter_config.json").read_text())
+    read_back = LoraConfig.from_pretrained(str(tmp_path / "stored")).to_dict()  # what PEFT itself makes of it
+    assert {k: as_peft.config[k] for k in ("r", "lora_alpha")} == {k: read_back[k] for k in ("r", "lora_alpha")}
+    assert set(as_peft.config["target_modules"]) == set(read_back["target_modules"])
     np.testing.assert_allclose(trainer.score(as_peft, tokens), trainer.score(handed, tokens), atol=1e-7)
     trainer.unload("handed")

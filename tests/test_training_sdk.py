@@ -10,6 +10,7 @@ import pytest
 import tinker
 import torch
 from tinker import types
+from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from tests.helpers import (
     ADAM,
@@ -174,8 +175,9 @@ def test_named_sampler_saves_in_flight_keep_their_names_and_weights(service_clie
             post("save_weights_for_sampler", {"path": "twice", "seq_id": 2}),
             post("save_weights_for_sampler", {"path": "twice", "seq_id": 3}),
             post("optim_step", {"seq_id": 4, "adam_params": {"learning_rate": 1e-2}}),
-            post("save_weights_for_sampler", {"path": "trained", "seq_id": 5})]
-    _, first, repeated, _, second = (poll_future(url, request_id, MAIN_KEY) for request_id in sent)
+            post("save_weights_for_sampler", {"path": "trained", "seq_id": 5}),
+            one_request(url, MAIN_KEY, run.model_id, 6, [datum])]  # its logprobs: the trained weights'
+    _, first, repeated, _, second, trained = (poll_future(url, request_id, MAIN_KEY) for request_id in sent)
     assert "already exists" in repeated["error"] and repeated["category"] == "user"
     tokens = types.ModelInput.from_ints(PROMPT + COMPLETION)
 
@@ -184,7 +186,9 @@ def test_named_sampler_saves_in_flight_keep_their_names_and_weights(service_clie
 
     base = logprobs(base_model=BASE_MODEL)
     np.testing.assert_allclose(logprobs(model_path=first["path"]), base, atol=1e-5)
-    assert np.abs(logprobs(model_path=second["path"]) - base).max() > 1e-3
+    after_step = deserialize_forward_backward_output(trained).loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert np.abs(after_step - base).max() > 1e-3  # the step moved the weights, so the two saves differ
+    np.testing.assert_allclose(logprobs(model_path=second["path"]), after_step, atol=1e-4)
     listed = tinker.RestClient(base_url=url, api_key=MAIN_KEY).list_checkpoints(run.model_id).result().checkpoints
     assert sorted(c.tinker_path for c in listed) == sorted([first["path"], second["path"]])
 

@@ -130,7 +130,7 @@ class CheckpointCalls:
         async def job(row: dict) -> Payload | Finishing:
             if req.path is None:
                 return await self._save_unnamed_for_sampler(owner, row, req)
-            if self.sampling.ephemeral.memory_bytes == 0:  # no weights in memory (--ephemeral-memory-mb 0): files
+            if not self.sampling.ephemeral.may_hold(row["id"]):  # the trainer writes the files in the save's turn
                 path = await self._save(owner, row, "sampler", req.path, self._trainer(row).save_for_sampler, False,
                                         req.ttl_seconds, req.user_metadata)
                 return json_payload(types.SaveWeightsForSamplerResponse(path=path, type="save_weights_for_sampler"))
@@ -143,15 +143,21 @@ class CheckpointCalls:
         object store, as for an unnamed save), and the run's next requests go on at once; the files are written from
         that copy after the turn, and the future resolves only once they are durable and recorded (a crash before
         then loses nothing that was acknowledged). One such write per run at a time: a run's next named save waits
-        for the last one's files, so their memory never piles up."""
+        for the last one's files, so their memory never piles up; a run whose weights are more than
+        ``--ephemeral-memory-mb`` has its files written by the trainer in the turn instead (``may_hold``)."""
         model_id = row["id"]
         path = tinker_path(model_id, "sampler", req.path)
         if self.records.checkpoints.live_checkpoint(path) is not None or path in self._naming:
             raise UserError(f"checkpoint {path} already exists; choose another name")
-        if (previous := self._writing.get(model_id)) is not None:
-            await asyncio.wait([previous])
-        _, held = await self._trainer(row).sampler_tensors(model_id, True)
-        self._naming.add(path)
+        self._naming.add(path)  # taken from now on, for a save of the same name sent meanwhile (or without a seq_id)
+        try:
+            if (previous := self._writing.get(model_id)) is not None:
+                await asyncio.wait([previous])
+            nbytes, held = await self._trainer(row).sampler_tensors(model_id, True)
+        except BaseException:
+            self._naming.discard(path)
+            raise
+        self.sampling.ephemeral.sized(model_id, nbytes)
 
         async def write(_model_id: str, directory: str) -> None:
             weights = await held  # on this process's node: read in place from the object store

@@ -125,12 +125,13 @@ class TransformersSampler(SamplerBackend):
 
     def _batch_size(self, pending: list[BatchRequest]) -> int:
         """How many of the oldest waiting requests fit one batch: up to ``max_batch_sequences`` rows, at most as many
-        distinct adapters as may be resident, and prompt-scoring logits (rows × prompt length × vocabulary) within
-        ``PROMPT_LOGITS_BUDGET``; the first request always goes, whatever its size."""
+        distinct adapters as may be resident — counted by version, since one key's two versions (an inflight client's
+        requests on both sides of a hand-off) take two slots — and prompt-scoring logits (rows × prompt length ×
+        vocabulary) within ``PROMPT_LOGITS_BUDGET``; the first request always goes, whatever its size."""
         count, rows, keys, longest, scoring = 0, 0, set(), 0, False
         for request in pending:
             job = request.job
-            new_keys = keys | ({request.adapter.key} if request.adapter else set())
+            new_keys = keys | ({(request.adapter.key, request.adapter.version)} if request.adapter else set())
             new_longest, new_rows = max(longest, len(job.prompt)), rows + job.num_samples
             new_scoring = scoring or job.needs_prompt_scores
             logit_cells = new_rows * new_longest * self._facts.vocab_size if new_scoring else 0

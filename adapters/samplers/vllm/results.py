@@ -111,3 +111,22 @@ def topk_rows(steps, k: int) -> tuple[np.ndarray, np.ndarray]:
         for j, (token, logprob) in enumerate(best):
             ids[i, j], lps[i, j] = token, logprob.logprob
     return ids, lps
+
+
+def decoded_token_counter(sampler):
+    """A vLLM stat logger (its only per-step hook) that adds each step's decoded tokens to ``sampler``'s
+    ``decoded_tokens``; vLLM's own periodic log lines stay off (``disable_log_stats``)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class DecodedTokens(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if iteration_stats is not None:
+                sampler.decoded_tokens += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return DecodedTokens

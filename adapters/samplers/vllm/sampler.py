@@ -19,6 +19,7 @@ and Ray starts a fresh replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -43,10 +44,11 @@ from adapters.samplers.options import SamplerOptions
 from adapters.samplers.vllm.adapter_files import check_rank, read_config, written
 from adapters.samplers.vllm.options import CPU_KV_CACHE_GB, VLLM_LORA_RANKS
 from adapters.samplers.vllm.parallel import THREADS_BIND, CannotBind, cpu_threads_bind, kv_cache_bytes_per_worker
-from adapters.samplers.vllm.results import CollectedOutputs
+from adapters.samplers.vllm.requests import sampling_params
+from adapters.samplers.vllm.results import CollectedOutputs, decoded_token_counter
 from adapters.samplers.vllm.support import vllm_base_refusal
 from shims.errors import ConfigurationRefused, UserError
-from shims.sampling.job import OutputConstraint, SampleJob, SampleResult
+from shims.sampling.job import SampleJob, SampleResult
 
 log = logging.getLogger("compat_server.sampler")
 
@@ -106,13 +108,14 @@ class VLLMSampler(SamplerBackend):
         self.decoded_tokens = 0
         """Every token the engine decoded (from its own per-step statistics), including those of requests whose
         caller later went away: the same counter the transformers sampler keeps."""
-        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_token_counter(self)])
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[decoded_token_counter(self)])
         config = self.engine.model_config
         self.max_lora_rank = engine.max_lora_rank
         self.adapters = ResidentAdapters(max_resident)
         self.on_engine_dead = on_engine_dead
         self.dead: str | None = None
         self._freed = asyncio.Condition()
+        self._loading = asyncio.Lock()
         try:  # in a Ray actor the constructor runs in the actor's event loop
             self._watcher: asyncio.Task | None = asyncio.get_running_loop().create_task(self._watch())
         except RuntimeError:  # made outside an event loop (tests): a death is noticed by the next request
@@ -157,28 +160,6 @@ class VLLMSampler(SamplerBackend):
                             "run the server with --sampler-backend transformers for them")
         check_constraint(job.constraint)
 
-    def _params(self, job: SampleJob, streaming: bool):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        wants_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
-        return SamplingParams(
-            # vLLM raises a temperature in (0, 0.01) to 0.01; below GREEDY_TEMPERATURE every backend takes the argmax.
-            # It refuses n > 1 when greedy: one sequence is decoded and ``CollectedOutputs`` copies it.
-            n=1 if job.greedy else job.num_samples, temperature=0.0 if job.greedy else job.temperature,
-            max_tokens=job.max_tokens, top_k=job.top_k or -1, top_p=job.top_p, min_p=job.min_p,
-            seed=job.seed, stop=list(job.stop_strings) or None, stop_token_ids=list(job.stop_token_ids) or None,
-            # A constrained text ends where its grammar does, on an end-of-sequence token (all the grammar allows once
-            # the text is complete), whatever ``stop=[]`` said, as on the transformers sampler.
-            ignore_eos=not job.stop_at_eos and job.constraint is None,
-            include_stop_str_in_output=True, logprobs=job.topk_sample_logprobs,
-            prompt_logprobs=job.topk_prompt_logprobs if wants_prompt else None,
-            presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
-            repetition_penalty=job.repetition_penalty, logit_bias=dict(job.logit_bias) or None,
-            structured_outputs=_structured_outputs(job.constraint),
-            output_kind=RequestOutputKind.CUMULATIVE if streaming else RequestOutputKind.FINAL_ONLY,
-            detokenize=bool(job.stop_strings))
-
     async def sample(self, adapter: AdapterRef | None, job: SampleJob, on_token: OnToken | None = None) -> SampleResult:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
@@ -195,7 +176,7 @@ class VLLMSampler(SamplerBackend):
                 lora, slot_id = await self._load(adapter)
             collected = CollectedOutputs(job)
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(job.prompt)),
-                                                     self._params(job, on_token is not None),
+                                                     sampling_params(job, on_token is not None),
                                                      request_id=uuid.uuid4().hex, lora_request=lora):
                 collected.add(output, on_token)
             return collected.result()
@@ -225,36 +206,57 @@ class VLLMSampler(SamplerBackend):
 
     async def _load(self, adapter: AdapterRef):
         """Make ``adapter`` resident (loading it into the engine now, outside any batch); returns its
-        ``LoRARequest`` and slot id, which the caller releases."""
+        ``LoRARequest`` and slot id, which the caller releases.
+
+        One request at a time, from taking a slot to the engine holding the adapter: a request for an adapter that
+        another is loading waits until the engine has it (weights handed in memory have no directory vLLM could load
+        them from itself, should the request reach it first), and the engine never holds more adapters than
+        ``ResidentAdapters`` counts (its CPU cache is that size and would otherwise evict one on its own). A request
+        cancelled meanwhile lets its load finish first, so the slot is never marked loaded when the engine has not."""
         from vllm.lora.request import LoRARequest
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         if adapter.tensors is None:
             check_rank(adapter.key, read_config(adapter), self.max_lora_rank)
-        slot = await self._acquire(adapter)
+        async with self._loading:
+            slot = await self._acquire(adapter)
+            # Named by its slot, like the transformers sampler's slots: every load gets a fresh slot id, so the name
+            # is unique per load. vLLM's prefix cache keys on it, and KV computed with older weights under the same
+            # adapter key must never be reused for newer ones. Weights handed in memory have no directory once
+            # loaded: an absolute path that never exists stands for it (vLLM tries no download for it as it would
+            # for a relative one).
+            lora = LoRARequest(f"slot_{slot.slot_id}", slot.slot_id,
+                               adapter.directory or f"/compat-server/in-memory/slot_{slot.slot_id}")
+            install = asyncio.ensure_future(self._install(slot, lora, adapter))
+            try:
+                await asyncio.shield(install)
+            except asyncio.CancelledError:
+                with contextlib.suppress(BaseException):
+                    await install
+                self.adapters.release(adapter.key, slot.slot_id)
+                raise
+            except BaseException:
+                self.adapters.release(adapter.key, slot.slot_id)
+                raise
+        return lora, slot.slot_id
+
+    async def _install(self, slot: Acquired, lora, adapter: AdapterRef) -> None:
+        """Unload what taking ``slot`` evicted, then load ``adapter`` into it if it must be; a load that fails is
+        this request's user error, and the slot is forgotten."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         try:
             for evicted in slot.evicted:
                 await self.engine.remove_lora(evicted)
                 log.info("adapter evicted from vLLM sampler: lora id %d", evicted,
                          extra={"event": "adapter_evicted", "slot": evicted})
-            # Named by its slot, like the transformers sampler's slots: every load gets a fresh slot id, so the name
-            # is unique per load. vLLM's prefix cache keys on it, and KV computed with older weights under the same
-            # adapter key must never be reused for newer ones.
-            # Weights handed in memory have no directory once loaded: an absolute path that never exists stands
-            # for it (vLLM reads nothing from it, and tries no download for it as for a relative one).
-            lora = LoRARequest(f"slot_{slot.slot_id}", slot.slot_id,
-                               adapter.directory or f"/compat-server/in-memory/slot_{slot.slot_id}")
             if slot.load:
                 await self._add(lora, adapter)
                 log.info("adapter loaded into vLLM sampler: %s (lora id %d%s)", adapter.key, slot.slot_id,
                          ", in memory" if adapter.tensors is not None else "",
                          extra={"event": "adapter_loaded", "adapter": adapter.key, "slot": slot.slot_id})
-            return lora, slot.slot_id
         except EngineDeadError:
-            self.adapters.release(adapter.key, slot.slot_id)
             raise
         except Exception as exc:  # noqa: BLE001 - a load failure is this request's own error
-            self.adapters.release(adapter.key, slot.slot_id)
             self.adapters.forget(adapter.key, slot.slot_id)
             raise UserError(f"sampler weights {adapter.key} could not be loaded by vLLM: {exc}") from None
 
@@ -305,35 +307,3 @@ def _config_dict(location: str) -> dict:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(location).to_dict()
-
-
-def _structured_outputs(constraint: OutputConstraint | None):
-    """vLLM's form of an output constraint. Its ``json_object`` compiles
-    ``adapters.samplers.grammar.JSON_OBJECT_SCHEMA``, as the transformers sampler does for a constraint without a
-    schema."""
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if constraint is None:
-        return None
-    if constraint.json_schema is None:
-        return StructuredOutputsParams(json_object=True)
-    return StructuredOutputsParams(json=constraint.json_schema)
-
-
-def _token_counter(sampler: VLLMSampler):
-    """A vLLM stat logger (its only per-step hook) that adds each step's decoded tokens to ``sampler``; vLLM's own
-    periodic log lines stay off (``disable_log_stats``)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class DecodedTokens(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0) -> None:
-            pass
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-            if iteration_stats is not None:
-                sampler.decoded_tokens += iteration_stats.num_generation_tokens
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return DecodedTokens
