@@ -12,7 +12,9 @@ import numpy as np
 import tinker
 from tinker import types
 
-from tests.helpers import BASE_MODEL, on_both_sampler_backends
+from tests.families import family_dir, matrix_datum
+from tests.helpers import BASE_MODEL, forward_logprobs, on_both_sampler_backends, train
+from tests.server import start_server
 
 server, service_client = on_both_sampler_backends()  # every test here runs once per sampler backend
 
@@ -89,3 +91,24 @@ def test_an_rl_loop_of_several_tenants_samples_exactly_the_weights_handed_off(se
         outcomes = list(pool.map(lambda args: tenant_loop(server.base_url, *args), enumerate(kinds)))
     assert [problem for problems in outcomes for problem in problems] == []
     assert [p for p in (server.data_dir / "ephemeral").rglob("*") if p.is_file()] == []  # all in memory
+
+
+def test_a_sharded_trainer_hands_each_shards_experts_to_the_sampler(model_cache, tmp_path):
+    """--trainer-shards 2 on a mixture of experts: each shard hands its own experts over (no gather through rank 0),
+    and the sampler, joining the parts, samples exactly the trainer's weights; nothing is written."""
+    directory = str(family_dir("qwen3_moe"))
+    server = start_server(tmp_path / "data", "--base-model", directory, "--trainer-shards", "2",
+                          "--trainer-cpus", "0.5", "--sampler-cpus", "0.5", timeout=600)
+    try:
+        service = tinker.ServiceClient(base_url=server.base_url, api_key=f"tml-test-rl-shards{WORKER}")
+        client = service.create_lora_training_client(base_model=directory, rank=4, seed=0).result()
+        datum, tokens = matrix_datum()
+        train(client, datum, 2)
+        sampler = client.save_weights_and_get_sampling_client().result()
+        sampled = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
+        np.testing.assert_allclose(sampled, forward_logprobs(client, datum), atol=1e-4)
+        assert f"sampler weights saved (snapshot, in memory): {client.model_id}" in server.log()
+        assert [p for p in (server.data_dir / "ephemeral").rglob("*") if p.is_file()] == []
+        service.close("success")
+    finally:
+        server.stop()

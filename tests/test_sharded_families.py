@@ -33,6 +33,7 @@ def script(trainer) -> tuple[list, list[float], dict]:
     """Three rounds of mixed batches over four runs (ranks 8, 2 and 4; all weights, attention only, MLP and head;
     one stepped by Dimuon), every loss in turn, one run forward-only in the second round; each round's optim steps;
     then a score. Returns the outcomes, the score and every run's final parameters."""
+    from adapters.samplers.interface import joined
     from adapters.trainer.interface import AdamHyper, DimuonHyper, LoraSpec, OptimRequest, StepRequest
     from adapters.trainer.parallelize import whole_tensors
     from shims.losses import LOSSES
@@ -58,7 +59,11 @@ def script(trainer) -> tuple[list, list[float], dict]:
     score = trainer.score(None, [1, 2, 3, 4, 5, 6])
     # Every expert's pairs, gathered from the shards that hold them (rank 0's; None on the others).
     weights = {m: whole_tensors(trainer.model, trainer.adapters[m].name, trainer.shards) for m in specs}
-    return rounds, score, weights, trainer.shards.everywhere(trainer.adapters.state_bytes())
+    # The hand-off's parts in both forms, each shard's own (gathered here only to be compared), and their bytes.
+    handed = [trainer.sampler_tensors("a", peft) for peft in (False, True)]
+    parts = trainer.shards.gather([part for _, part in handed])
+    return rounds, score, weights, trainer.shards.everywhere(trainer.adapters.state_bytes()), (
+        [nbytes for nbytes, _ in handed], parts and [joined(list(form)) for form in zip(*parts, strict=True)])
 
 
 def floor_divided(logprobs):
@@ -192,8 +197,8 @@ def test_two_shards_train_every_family_as_one_trainer(sharded_runs, family):
     from shims.errors import UserError
 
     assert family in FAMILIES
-    rounds, score, weights, (held,) = script(MultiLoRATrainer(str(family_dir(family)), RECOMPUTING))
-    split_rounds, split_score, split_weights, split_held, forwards = sharded_runs[family]
+    rounds, score, weights, (held,), (sizes, handed) = script(MultiLoRATrainer(str(family_dir(family)), RECOMPUTING))
+    split_rounds, split_score, split_weights, split_held, (split_sizes, split_handed), forwards = sharded_runs[family]
     # What each shard holds of the runs' adapter state: at most 0.7× the single trainer's (the optimizer state split;
     # the experts' pairs held once, by their shard, on a mixture of experts: 0.55–0.63× on these 4-expert models).
     assert max(split_held) <= 0.7 * held, (split_held, held)
@@ -218,6 +223,18 @@ def test_two_shards_train_every_family_as_one_trainer(sharded_runs, family):
         for key, (a, b) in pairs.items():
             np.testing.assert_allclose(split_weights[model_id][key][0], a, atol=1e-5)
             np.testing.assert_allclose(split_weights[model_id][key][1], b, atol=1e-5)
+    # Handed over in memory, each shard its own part, with no gather: joined, the whole adapter in both forms, and
+    # the bytes each shard reports are the whole adapter's.
+    assert split_sizes == sizes
+    by_slots, split_by_slots = handed[0], split_handed[0]
+    assert split_by_slots.pairs.keys() == by_slots.pairs.keys() and split_by_slots.scaling == by_slots.scaling
+    for key, (a, b) in by_slots.pairs.items():
+        np.testing.assert_allclose(split_by_slots.pairs[key][0], a, atol=1e-5)
+        np.testing.assert_allclose(split_by_slots.pairs[key][1], b, atol=1e-5)
+    as_peft, split_as_peft = handed[1], split_handed[1]
+    assert split_as_peft.state.keys() == as_peft.state.keys() and split_as_peft.config == as_peft.config
+    for name, tensor in as_peft.state.items():
+        np.testing.assert_allclose(split_as_peft.state[name], tensor, atol=1e-5)
 
 
 def test_a_request_that_fails_on_one_shard_fails_alone(sharded_runs, model_cache):

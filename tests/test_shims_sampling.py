@@ -11,7 +11,14 @@ import torch
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
-from adapters.samplers.interface import AdapterRef, AllAdaptersBusy, ResidentAdapters
+from adapters.samplers.interface import (
+    AdapterRef,
+    AdapterTensors,
+    AllAdaptersBusy,
+    PeftTensors,
+    ResidentAdapters,
+    joined,
+)
 from shims.errors import UserError
 from shims.sampling.arithmetic import (
     SeededStream,
@@ -359,6 +366,26 @@ def test_newer_weights_arriving_while_old_ones_are_in_use():
     lru.release("k", old.slot_id)  # the old request finishes: its slot is owed an unload
     other = lru.acquire(AdapterRef("x", "/x"))
     assert other.evicted == (old.slot_id,)
+
+
+def test_a_sharded_trainers_parts_join_into_the_whole_adapter():
+    """Each shard hands over its part (rank 0: all but the other shards' experts; the others: their experts): PEFT's
+    per-expert names are merged, an expert slot's parts concatenated in rank order, everything else as rank 0's."""
+    rng = np.random.default_rng(0)
+    whole = {"attn": (rng.standard_normal((2, 8)), rng.standard_normal((8, 2))),
+             "experts": (rng.standard_normal((5, 2, 8)), rng.standard_normal((5, 8, 2)))}
+    parts = [AdapterTensors({"attn": whole["attn"], "experts": (whole["experts"][0][:3], whole["experts"][1][:3])},
+                            0.5, 2),
+             AdapterTensors({"experts": (whole["experts"][0][3:], whole["experts"][1][3:])}, 0.5, 2)]
+    got = joined(parts)
+    assert got.pairs.keys() == whole.keys() and (got.scaling, got.rank) == (0.5, 2)
+    for key, (a, b) in whole.items():
+        np.testing.assert_array_equal(got.pairs[key][0], a)
+        np.testing.assert_array_equal(got.pairs[key][1], b)
+    peft = joined([PeftTensors({"x": whole["attn"][0], "e.0": whole["experts"][0][0]}, {"r": 2}),
+                   PeftTensors({"e.1": whole["experts"][0][1]}, {})])
+    assert sorted(peft.state) == ["e.0", "e.1", "x"] and peft.config == {"r": 2}
+    assert joined(parts[:1]) is parts[0]
 
 
 def test_retired_slots_count_toward_capacity():

@@ -87,8 +87,10 @@ class AdapterNaming:
                 self._hosted_w[f"{path}.{projection}"] = names[projection]
 
     # ---- writing ---------------------------------------------------------------------------------------------------
-    def stored(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The stored naming (PEFT's, per expert), with a tied unembedding's input side."""
+    def stored(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               first_experts: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+        """The stored naming (PEFT's, per expert), with a tied unembedding's input side. ``first_experts``: of an
+        expert slot holding some experts alone (a shard's), the index of its first."""
         import torch
 
         out: dict[str, torch.Tensor] = {}
@@ -102,8 +104,9 @@ class AdapterNaming:
                 continue
             if self.slots[key].experts:
                 match = _EXPERT_SLOT.match(key)
+                first = (first_experts or {}).get(key, 0)
                 for e in range(a.shape[0]):
-                    name_a, name_b = _pair_names(self._stored_path(f"{match['experts']}.{e}.{match['proj']}"))
+                    name_a, name_b = _pair_names(self._stored_path(f"{match['experts']}.{first + e}.{match['proj']}"))
                     out[name_a], out[name_b] = a[e].contiguous(), b[e].contiguous()
             else:
                 name_a, name_b = _pair_names(self._stored_path(key))

@@ -126,6 +126,11 @@ class LoRAModel:
         return [module.lora.held for module in self.modules.values() if name in module.lora
                 for _ in module.lora.pairs[name] for _ in range(2)]
 
+    def first_experts(self) -> dict[str, int]:
+        """Of each slot whose experts are split over processes, the index of the first this process holds."""
+        return {slot.key: module.lora.held.start for module in self.modules.values() if module.lora.held is not None
+                for slot in module.lora.slots}
+
     def split_keys(self) -> set[str]:
         """The slots whose pairs this process holds only a share of (its experts')."""
         return {slot.key for module in self.modules.values() if module.lora.held is not None

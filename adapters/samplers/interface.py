@@ -52,17 +52,12 @@ class AdapterRef:
     version: int = 0
     tensors: Any = field(default=None, compare=False)
     """The weights themselves where no directory holds them (``directory`` is then empty): an ``AdapterTensors`` or
-    ``PeftTensors``, or a Ray object reference to one, which a backend fetches when it loads the adapter
-    (``resolve``)."""
+    ``PeftTensors``, a Ray object reference to one, or a sharded trainer's tuple of references to each shard's part,
+    which a backend fetches when it loads the adapter (``resolve``)."""
 
     def resolve(self) -> AdapterTensors | PeftTensors:
-        """``tensors`` fetched (from Ray's object store, where they are a reference; on the sampler's node, read in
-        place)."""
-        if isinstance(self.tensors, AdapterTensors | PeftTensors):
-            return self.tensors
-        import ray
-
-        return ray.get(self.tensors)
+        """``tensors`` fetched (``fetched``)."""
+        return fetched(self.tensors)
 
 
 @dataclass(frozen=True)
@@ -99,6 +94,37 @@ class PeftTensors:
 
         save_file({name: np.ascontiguousarray(t) for name, t in self.state.items()}, str(directory / ADAPTER_WEIGHTS))
         (directory / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True))
+
+
+def fetched(tensors: Any) -> AdapterTensors | PeftTensors:
+    """Weights handed over in memory, whole: as they are; fetched from Ray's object store (on the reader's node,
+    read in place); or, from a sharded trainer, every shard's part fetched from where that shard put it, ``joined``."""
+    if isinstance(tensors, AdapterTensors | PeftTensors):
+        return tensors
+    import ray
+
+    if isinstance(tensors, tuple):
+        return joined(ray.get(list(tensors)))
+    return ray.get(tensors)
+
+
+def joined(parts: list[AdapterTensors | PeftTensors]) -> AdapterTensors | PeftTensors:
+    """One adapter from the parts a sharded trainer's shards hand over, in rank order: rank 0's holds all but the
+    other shards' experts, each other shard's its own experts alone (the next ones: ``ExpertShare``). In PEFT's
+    naming every expert's tensors have names of their own and are taken as they are; by slot key an expert slot's
+    parts are joined along the experts (a copy)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, PeftTensors):
+        return PeftTensors({name: t for part in parts for name, t in part.state.items()}, first.config)
+    pieces: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for part in parts:
+        for key, pair in part.pairs.items():
+            pieces.setdefault(key, []).append(pair)
+    return AdapterTensors({key: pair[0] if len(pair) == 1 else (np.concatenate([a for a, _ in pair]),
+                                                               np.concatenate([b for _, b in pair]))
+                           for key, pair in pieces.items()}, first.scaling, first.rank)
 
 
 @dataclass(frozen=True)

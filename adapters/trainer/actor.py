@@ -32,7 +32,7 @@ from adapters.cpu_memory import keep_freed
 from adapters.cpu_threads import PassThreads, set_torch_threads
 from adapters.lora.model import LoRAModel
 from adapters.models.resolve import is_vision_language, text_settings
-from adapters.samplers.interface import AdapterTensors, PeftTensors
+from adapters.samplers.interface import AdapterTensors, PeftTensors, fetched
 from adapters.trainer.files import CheckpointFiles
 from adapters.trainer.forward import MixedForward
 from adapters.trainer.interface import (
@@ -210,6 +210,8 @@ class MultiLoRATrainer:
         reported logprobs are checked against this to measure rollout-vs-train drift; the adapters being trained are
         not touched: the saved one is loaded as a temporary adapter, in no run's slot."""
         probe = None
+        if isinstance(weights, tuple):  # a sharded trainer's parts, each where its shard put it
+            weights = fetched(weights)
         if isinstance(weights, AdapterTensors | PeftTensors):
             probe = self._read_on_every_shard(lambda: self.files.staged_tensors(weights))
         elif weights is not None:
@@ -231,11 +233,11 @@ class MultiLoRATrainer:
         """Write the adapter as a standard PEFT directory any PEFT loader reads (``adapters.trainer.files``)."""
         self.files.save_for_sampler(model_id, directory)
 
-    def sampler_tensors(self, model_id: str, peft: bool = False) -> tuple[int, AdapterTensors | PeftTensors | None]:
-        """The adapter as samplers load it from memory (``adapters.trainer.files``; ``peft``: as a PEFT directory's
-        contents), after its bytes; rank 0's, None on the others (which take part in gathering split experts)."""
-        weights = self.files.sampler_tensors(model_id, peft)
-        return (weights.nbytes if weights else 0), weights
+    def sampler_tensors(self, model_id: str, peft: bool = False) -> tuple[int, AdapterTensors | PeftTensors]:
+        """This shard's part of the adapter as samplers load it from memory (``adapters.trainer.files``; ``peft``:
+        as a PEFT directory's contents), after the whole adapter's bytes (the parts' sum, every shard's)."""
+        part = self.files.sampler_tensors(model_id, peft)
+        return sum(self.shards.everywhere(part.nbytes)), part
 
     def save_for_export(self, model_id: str, directory: str) -> None:
         """Write the adapter for download, named as hosted Tinker names it."""

@@ -48,28 +48,29 @@ class CheckpointFiles:
         PEFT loader turns into the trained model (``adapters.lora.files``: the stored naming)."""
         self._write_adapter(model_id, Path(directory), export=False)
 
-    def sampler_tensors(self, model_id: str, peft: bool = False) -> AdapterTensors | PeftTensors | None:
-        """The adapter as samplers load it from memory (an unnamed save: nothing written), float32 — by the LoRA
-        model's slot keys, or with ``peft`` as the PEFT directory ``save_for_sampler`` writes (vLLM's form); on rank 0
-        (None on the other shards, which take part in gathering split experts). On a CPU trainer the arrays are views
-        of the run's weights where the form allows, not copies: Ray copies an actor call's answer into its object
-        store as the call returns, before the actor runs its next call (measured: 80 MiB handed over in 99 ms instead
-        of 222 with a copy here and one in the sampler); an in-process caller copies them if it trains on."""
+    def sampler_tensors(self, model_id: str, peft: bool = False) -> AdapterTensors | PeftTensors:
+        """This shard's part of the adapter as samplers load it from memory (an unnamed save: nothing written),
+        float32 — by the LoRA model's slot keys, or with ``peft`` as in the PEFT directory ``save_for_sampler``
+        writes (vLLM's form). A plain trainer's part is the whole adapter; a sharded one's parts, rank 0's holding
+        all but the other shards' experts and each other shard its own experts, are handed over by each shard
+        directly, with no gather, and joined where they are read (``adapters.samplers.interface.joined``). On a CPU
+        trainer the arrays are views of the run's weights where the form allows, not copies: Ray copies an actor
+        call's answer into its object store as the call returns, before the actor runs its next call (measured: 80
+        MiB handed over in 99 ms instead of 222 with a copy here and one in the sampler); an in-process caller
+        copies them if it trains on."""
         adapter = self.table.get_run(model_id)
-        tensors = _kept(lambda: whole_tensors(self.table.model, adapter.name, self.shards))
-        handed: list[AdapterTensors | PeftTensors] = []
-
-        def hand() -> None:
-            floats = {key: (a.float(), b.float()) for key, (a, b) in tensors().items()}
-            if peft:
-                state, config = self._peft(floats, adapter.spec.rank, adapter.scaling, export=False)
-                handed.append(PeftTensors({name: t.numpy() for name, t in state.items()}, config))
-            else:
-                handed.append(AdapterTensors({key: (a.numpy(), b.numpy()) for key, (a, b) in floats.items()},
-                                             adapter.scaling, adapter.spec.rank))
-
-        self._on_rank_zero(hand)
-        return handed[0] if handed else None
+        model = self.table.model
+        tensors = model.tensors(adapter.name)  # of an expert slot split over the shards, this shard's experts
+        if not self.shards.writes:
+            tensors = {key: pair for key, pair in tensors.items() if key in model.split_keys()}
+        floats = {key: (a.float(), b.float()) for key, (a, b) in tensors.items()}
+        if peft:
+            state = self.naming.stored(floats, model.first_experts())
+            config = (self._peft_config(list(floats), adapter.spec.rank, adapter.scaling, export=False)
+                      if self.shards.writes else {})
+            return PeftTensors({name: t.numpy() for name, t in state.items()}, config)
+        return AdapterTensors({key: (a.numpy(), b.numpy()) for key, (a, b) in floats.items()}, adapter.scaling,
+                              adapter.spec.rank)
 
     def staged_tensors(self, weights: AdapterTensors | PeftTensors) -> Adapter:
         """A temporary adapter holding ``weights`` (handed in memory: ``sampler_tensors``), to score with."""
@@ -129,17 +130,21 @@ class CheckpointFiles:
               export: bool) -> tuple[dict[str, torch.Tensor], dict]:
         """A PEFT directory's contents: the tensors by the stored (or, ``export``, hosted Tinker's) names, and
         ``adapter_config.json`` as PEFT's ``LoraConfig`` writes it."""
+        state = self.naming.exported(tensors) if export else self.naming.stored(tensors)
+        return state, self._peft_config(list(tensors), rank, scaling, export)
+
+    def _peft_config(self, keys: list[str], rank: int, scaling: float, export: bool) -> dict:
+        """``adapter_config.json`` of an adapter on the slots ``keys``, as PEFT's ``LoraConfig`` writes it."""
         from peft import LoraConfig
 
-        state = self.naming.exported(tensors) if export else self.naming.stored(tensors)
         alpha = whole_if_integer(scaling * rank)
         config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                             base_model_name_or_path=self.location,
-                            **self.naming.peft_settings(list(tensors), rank, alpha, export))
+                            **self.naming.peft_settings(keys, rank, alpha, export))
         # Plain JSON values (PEFT's enums as their strings): whoever reads the dict (a server writing a save's
         # files) needs no PEFT to unpickle it.
-        return state, json.loads(json.dumps({key: sorted(value) if isinstance(value, set) else value
-                                             for key, value in config.to_dict().items()}))
+        return json.loads(json.dumps({key: sorted(value) if isinstance(value, set) else value
+                                      for key, value in config.to_dict().items()}))
 
     def import_adapter(self, source: Path, spec: LoraSpec, out: Path) -> None:
         """Check that an adapter made elsewhere (an upload: hosted Tinker's export naming, or PEFT's own) is a LoRA

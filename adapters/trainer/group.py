@@ -146,11 +146,14 @@ class TrainerGroup:
     # ---- calling ----------------------------------------------------------------------------------------------------
     async def call(self, method: Method, args: tuple, kwargs: dict) -> Any:
         """``method`` on every shard (on rank 0 alone for a method marked ``on_rank_zero``); rank 0's result, or its
-        error. A dead shard, or shards that disagree, restart the group and fail the call as a trainer that
+        error; of a ``by_reference`` method, rank 0's receipt and a tuple of every shard's value's reference. A dead shard, or shards that disagree, restart the group and fail the call as a trainer that
         crashed."""
         if not self._open and asyncio.current_task() is not self._restarting:  # the reload's own calls go through
             raise self._unavailable(self._why)
-        return (await self._all(method, args, kwargs))[0]
+        answers = await self._all(method, args, kwargs)
+        if method.by_reference and len(answers) > 1:  # rank 0's receipt, and every shard's value where it put it
+            return answers[0][0], tuple(value for _, value in answers)
+        return answers[0]
 
     def _unavailable(self, why: str) -> ActorUnavailable:
         """What a call the group could not run gets: the same words in flight and while it restarts."""

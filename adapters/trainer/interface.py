@@ -222,11 +222,12 @@ class Trainer(Protocol):
         ...
 
     @by_reference
-    async def sampler_tensors(self, model_id: str, peft: bool = False) -> tuple[int, AdapterTensors | PeftTensors | None]:
+    async def sampler_tensors(self, model_id: str, peft: bool = False) -> tuple[int, AdapterTensors | PeftTensors]:
         """A run's adapter as samplers load it from memory (an unnamed save: nothing written): its bytes, and the
         weights — by the LoRA model's slot keys, or with ``peft`` as the PEFT directory's contents — which the caller
-        gets as a Ray reference it owns, to hand to the samplers unread. On every shard, as ``save_for_sampler``; rank
-        0's answer is the group's."""
+        gets as a Ray reference it owns, to hand to the samplers unread. On every shard: a sharded trainer's caller
+        gets a tuple of every shard's part's reference, each where its shard put it (no gather; the reader joins
+        them, ``adapters.samplers.interface.fetched``)."""
         ...
 
     async def save_for_export(self, model_id: str, directory: str) -> None:

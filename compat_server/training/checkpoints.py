@@ -14,6 +14,7 @@ from tinker import types
 
 from adapters.disk import DiskFull, writing
 from adapters.lora.layout import read_saved_step
+from adapters.samplers.interface import fetched
 from adapters.trainer.interface import LoraSpec, Trainer, read_lora_spec
 from compat_server.jobs.futures import Payload
 from compat_server.jobs.scheduler import Finishing
@@ -160,7 +161,7 @@ class CheckpointCalls:
         self.sampling.ephemeral.sized(model_id, nbytes)
 
         async def write(_model_id: str, directory: str) -> None:
-            weights = await held  # on this process's node: read in place from the object store
+            weights = await asyncio.to_thread(fetched, held)  # on this node: read in place from the object store
             with writing(Path(directory)):
                 Path(directory).mkdir(parents=True, exist_ok=True)
                 await asyncio.to_thread(weights.write, Path(directory))
