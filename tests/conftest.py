@@ -24,9 +24,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_CACHE", tempfile.mkdtemp(prefix="compat-server-test-hf-"))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.server import SERVER_ENV  # after the environment above
+
 # Every server the suite starts holds its Ray object store resident from the start (--ray-object-store-mb, touched
-# once); several run at once on the CI machine, and the tests' adapters are small: half the default each.
-os.environ.setdefault("COMPAT_SERVER_RAY_OBJECT_STORE_MB", "512")
+# once); several run at once on the CI machine, and the tests' adapters are small: half the default each. Set in the
+# servers' environment alone: the suite's own reading of the options keeps their defaults.
+SERVER_ENV["COMPAT_SERVER_RAY_OBJECT_STORE_MB"] = "512"
 
 
 REGISTRY_ENV = "COMPAT_SERVER_TEST_SERVERS"

@@ -175,6 +175,11 @@ class PortTaken(RuntimeError):
     pass
 
 
+SERVER_ENV: dict[str, str] = {}
+"""Environment every server started here gets, beneath the caller's ``env``: empty (benchmarks run the defaults);
+the test suite sets its own (``tests/conftest.py``)."""
+
+
 def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str] | None,
                 timeout: float, detached: bool, reports_modules: bool) -> RunningServer:
     port = free_port()
@@ -187,8 +192,9 @@ def _start_once(data_dir: Path, extra_args: tuple[str, ...], env: dict[str, str]
     entry = "tests.serve" if reports_modules else "compat_server.cli"
     args = [sys.executable, "-m", entry, "serve", "--host", "127.0.0.1", "--port", str(port),
             "--data-dir", str(data_dir), "--poll-hold-seconds", "2", *extra_args]
-    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                               start_new_session=detached, cwd=REPOSITORY)
+    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                               env={**os.environ, **SERVER_ENV, **(env or {})}, start_new_session=detached,
+                               cwd=REPOSITORY)
     server = RunningServer(process.pid, args, f"http://127.0.0.1:{port}", data_dir, log_path, admin_key,
                            dict(env or {}), process=process)
     deadline = time.monotonic() + timeout
