@@ -62,7 +62,8 @@ class CheckpointFiles:
         model = self.table.model
         tensors = model.tensors(adapter.name)  # of an expert slot split over the shards, this shard's experts
         if not self.shards.writes:
-            tensors = {key: pair for key, pair in tensors.items() if key in model.split_keys()}
+            split = model.split_keys()
+            tensors = {key: pair for key, pair in tensors.items() if key in split}
         floats = {key: (a.float(), b.float()) for key, (a, b) in tensors.items()}
         if peft:
             state = self.naming.stored(floats, model.first_experts())
